@@ -1,0 +1,59 @@
+"""Bit packing of b-bit codes, no padding of a record beyond whole bytes.
+
+A record of `dim` codes (dim % 8 == 0) packs into dim * bits / 8 bytes:
+- 4 bits: byte j holds code 2j (low nibble) and code 2j+1 (high nibble);
+- 2 bits: byte j holds codes 4j .. 4j+3, code 4j+k at bits 2k;
+- 1 bit:  byte j holds codes 8j .. 8j+7, code 8j+k at bit k;
+- 3 bits: two planes, the low 2 bits of every code packed as 2-bit codes (dim/4 bytes), then
+  the top bit as 1-bit codes (dim/8 bytes): 8 codes in 3 bytes, and every plane decodes with
+  shifts and masks of whole bytes, which is what keeps the kernels' unpacking cheap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (bits of the plane, bit offset of the plane in the code) for each supported width
+PLANES = {1: ((1, 0),), 2: ((2, 0),), 3: ((2, 0), (1, 2)), 4: ((4, 0),)}
+
+
+def record_bytes(dim: int, bits: int) -> int:
+    if bits not in PLANES:
+        raise ValueError(f"bits must be one of {tuple(PLANES)}, got {bits}")
+    if dim % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 to pack codes into bytes, got {dim}")
+    return dim * bits // 8
+
+
+def _pack_plane(codes: torch.Tensor, width: int) -> torch.Tensor:
+    per_byte = 8 // width
+    grouped = codes.reshape(*codes.shape[:-1], -1, per_byte).to(torch.int32)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * width
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack_plane(packed: torch.Tensor, width: int) -> torch.Tensor:
+    per_byte = 8 // width
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * width
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << width) - 1)
+    return codes.reshape(*packed.shape[:-1], -1)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes (..., dim) integers in [0, 2^bits) -> (..., dim*bits/8) uint8."""
+    record_bytes(codes.shape[-1], bits)
+    planes = [_pack_plane((codes >> offset) & ((1 << width) - 1), width) for width, offset in PLANES[bits]]
+    return torch.cat(planes, dim=-1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """(..., dim*bits/8) uint8 -> codes (..., dim) int32."""
+    if packed.shape[-1] != record_bytes(dim, bits):
+        raise ValueError(f"expected {record_bytes(dim, bits)} bytes per record, got {packed.shape[-1]}")
+    codes = torch.zeros(*packed.shape[:-1], dim, dtype=torch.int32, device=packed.device)
+    start = 0
+    for width, offset in PLANES[bits]:
+        size = dim * width // 8
+        codes |= _unpack_plane(packed[..., start : start + size], width) << offset
+        start += size
+    return codes

@@ -1,0 +1,34 @@
+"""A fixed random orthogonal matrix per (dim, seed): the TurboQuant rotation."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_cpu(dim: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    gauss = torch.randn(dim, dim, generator=gen, dtype=torch.float64)
+    q, r = torch.linalg.qr(gauss)
+    # Fix column signs so the matrix is Haar-distributed and does not depend on the QR backend.
+    q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+    return q.to(torch.float32).contiguous()
+
+
+def rotation_matrix(dim: int, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """R (dim, dim) fp32 with R @ R.T = I. Rotate a batch of row vectors with x @ R.T."""
+    if dim < 1:
+        raise ValueError(f"dim must be positive, got {dim}")
+    return _rotation_cpu(dim, seed).to(device)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """y = R x for every row vector of x (..., dim), in fp32."""
+    return x.float() @ rotation.T
+
+
+def unrotate(y: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x = R^T y for every row vector of y (..., dim), in fp32."""
+    return y.float() @ rotation

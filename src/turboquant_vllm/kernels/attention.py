@@ -1,0 +1,267 @@
+"""Paged attention straight over the compressed cache (decode, prefill, chunked prefill).
+
+Reference: turboquant_vllm.core.reference.paged_attention_reference.
+
+Attention runs in the rotated basis: q.k = ||k|| (R q).value[code_k] and
+sum_j p_j v_j = R^T sum_j p_j ||v_j|| value[code_v,j]. The launcher rotates the queries once and
+the outputs once; the inner loop is load codes -> unpack -> table lookup -> MMA, with the norms
+applied to the scores (keys) and to the probabilities (values), never per element.
+
+One program handles one tile of query tokens of one sequence, all query heads of one KV head
+(so each compressed byte is read once per KV head) and one split of the context. With more
+than one split, partial results go to a workspace and a second launch merges them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.layout import CacheLayout
+from .common import check_dtype, next_pow2, plane_bytes_to_codes
+from .constants import kernel_constants
+from .store import check_cache
+
+NUM_SMS_DEFAULT = 132
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _load_values(cache_ptr, rec_base, valid, lut_ptr,
+                 BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Codes of BLOCK_N records starting at rec_base -> their table values (BLOCK_N, D_PAD)."""
+    if BITS == 3:
+        jl = tl.arange(0, D_PAD // 4)
+        lo = tl.load(cache_ptr + rec_base[:, None] + jl[None, :], mask=valid[:, None] & (jl[None, :] < HEAD_DIM // 4),
+                     other=0)
+        jh = tl.arange(0, D_PAD // 8)
+        hi = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM // 4 + jh[None, :],
+                     mask=valid[:, None] & (jh[None, :] < HEAD_DIM // 8), other=0)
+        code = plane_bytes_to_codes(lo, BLOCK_N, D_PAD // 4, 2) | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << 2)
+    else:
+        j = tl.arange(0, D_PAD * BITS // 8)
+        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :],
+                         mask=valid[:, None] & (j[None, :] < HEAD_DIM * BITS // 8), other=0)
+        code = plane_bytes_to_codes(packed, BLOCK_N, D_PAD * BITS // 8, BITS)
+    return tl.load(lut_ptr + code)
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b; UPCAST runs it in fp32 (Triton's CPU interpreter mis-multiplies bf16 operands)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
+    o_ptr, part_acc_ptr, part_ml_ptr,
+    num_seqs, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
+    K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE_ONLY:
+        seq = pid
+        tile = 0
+    else:
+        # Tiles of sequence s are numbered from qsl[s] // BLOCK_Q + s: find s by binary search.
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        tile = pid - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = tile * BLOCK_Q + rows // G_PAD  # query token within the sequence
+    g = rows % G_PAD
+    row_ok = (rows < BLOCK_Q * G_PAD) & (g < GROUP) & (q_idx < q_len)
+    head = kv_head * GROUP + g
+    token = q_start + q_idx
+    dims = tl.arange(0, D_PAD)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    q_pos = ctx_len + q_idx  # absolute position of each row's query token
+
+    last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_hi = ctx_len + last_q + 1
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(ctx_len + tile * BLOCK_Q - sliding_window + 1, 0)
+        kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = kv_lo + split * per_split
+    end = tl.minimum(start + per_split, kv_hi)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    LOG2E: tl.constexpr = 1.4426950408889634
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + cols
+        n_ok = n < end
+        phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        page = phys * stride_cblock + kv_head * stride_chead
+        off = n % BLOCK_SIZE
+        k = _load_values(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, K_BITS, HEAD_DIM, D_PAD, BLOCK_N)
+        k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
+                         other=0.0)
+        s = _mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST) * k_norm[None, :]
+        if USE_SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+        allowed = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed &= n[None, :] > q_pos[:, None] - sliding_window
+        s = tl.where(allowed, s * LOG2E, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_values(cache_ptr, page + V_CODE_OFF + off * V_CODE_BYTES, n_ok, v_lut_ptr, V_BITS, HEAD_DIM, D_PAD,
+                         BLOCK_N)
+        v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
+                         other=0.0)
+        acc = _mma((p * v_norm[None, :]).to(v.dtype), v, acc * alpha[:, None], UPCAST)
+        m_i = m_new
+
+    out_rows = token[:, None] * NUM_Q_HEADS + head[:, None]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + out_rows * HEAD_DIM + dims[None, :], o, mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM))
+    else:
+        part = out_rows * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM))
+        ml = part_ml_ptr + (token * NUM_Q_HEADS + head) * (2 * NUM_SPLITS) + split
+        tl.store(ml, m_i, mask=row_ok)
+        tl.store(ml + NUM_SPLITS, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, o_ptr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         D_PAD: tl.constexpr):
+    """One program per (token, query head): merge the splits' online-softmax partials."""
+    row = tl.program_id(0)
+    s = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_ml_ptr + row * 2 * NUM_SPLITS + s)
+    l = tl.load(part_ml_ptr + row * 2 * NUM_SPLITS + NUM_SPLITS + s)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
+    dims = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + s[:, None]) * HEAD_DIM + dims[None, :],
+                  mask=dims[None, :] < HEAD_DIM, other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(o_ptr + row * HEAD_DIM + dims, o, mask=dims < HEAD_DIM)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
+    """Splits so that sequences x KV heads x splits fill the SMs; depends on batch shape only (graph-safe)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    return max(1, min(32, next_pow2(math.ceil(2 * num_sms / programs))))
+
+
+def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:
+    """fp32 elements of scratch: rotated outputs, plus split partials (acc, max, sum) when splitting."""
+    rows = num_tokens * num_q_heads
+    partials = rows * num_splits * (head_dim + 2) if num_splits > 1 else 0
+    return (rows * head_dim + partials,)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: CacheLayout,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    check_dtype("query", query)
+    check_cache(kv_cache, layout)
+    if head_dim != layout.head_dim:
+        raise ValueError(f"query head_dim {head_dim} does not match the cache layout's {layout.head_dim}")
+    if num_q_heads % layout.num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {layout.num_kv_heads} KV heads")
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"out must match query: {tuple(query.shape)} {query.dtype}")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] < num_seqs:
+        raise ValueError("query_start_loc needs num_seqs + 1 entries and block_table a row per sequence")
+    if num_tokens == 0:
+        return out
+    group = num_q_heads // layout.num_kv_heads
+    g_pad = next_pow2(group)
+    decode_only = max_query_len == 1
+    block_q = 1 if decode_only else max(1, 64 // g_pad)
+    block_m = max(16, block_q * g_pad)
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, layout.num_kv_heads) if decode_only else 1
+    num_splits = next_pow2(num_splits)
+    need = attention_workspace_shape(num_tokens, num_q_heads, head_dim, num_splits)[0]
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=query.device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < need:
+        raise ValueError(f"workspace must be float32 with >= {need} elements")
+    rows = num_tokens * num_q_heads
+    o_rot = workspace[: rows * head_dim]
+    part_acc = workspace[rows * head_dim : rows * head_dim + rows * num_splits * head_dim]
+    part_ml = workspace[rows * head_dim + rows * num_splits * head_dim : need]
+
+    c = kernel_constants(layout, query.device)
+    # Rotate the queries once, folding in the softmax scale; the inner loop then works in the rotated basis.
+    q_rot = ((query.float() @ c.rotation.T) * scale).to(query.dtype)
+    grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
+    _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
+        q_rot, kv_cache, block_table, query_start_loc, seq_lens, c.key_values[query.dtype], c.value_values[query.dtype],
+        o_rot, part_acc if num_splits > 1 else o_rot, part_ml if num_splits > 1 else o_rot,
+        num_seqs, q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        sliding_window or 0, float(softcap or 0.0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
+        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
+        HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_SIZE=layout.block_size,
+        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
+        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
+        K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
+        USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
+        num_warps=4,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(rows,)](part_acc, part_ml, o_rot, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+                                      D_PAD=next_pow2(head_dim))
+    # Back from the rotated basis, once per output vector.
+    out.copy_((o_rot.view(num_tokens, num_q_heads, head_dim) @ c.rotation).to(out.dtype))
+    return out

@@ -1,0 +1,40 @@
+"""Device-resident tables a layout's kernels read: rotation, boundaries, code values."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..core.layout import CacheLayout
+from ..core.quantizer import Quantizer
+
+
+@dataclass(frozen=True)
+class KernelConstants:
+    rotation: torch.Tensor  # (d, d) fp32
+    key_boundaries: torch.Tensor  # fp32 magnitude thresholds
+    value_boundaries: torch.Tensor
+    key_values: dict  # dtype -> (2^k_bits,) code values
+    value_values: dict
+
+
+@functools.lru_cache(maxsize=None)
+def _constants(k_bits: int, v_bits: int, head_dim: int, device: torch.device) -> KernelConstants:
+    kq, vq = Quantizer(k_bits, head_dim), Quantizer(v_bits, head_dim)
+    # Boundaries need one entry even at 1 bit, so the kernels always get a valid pointer.
+    pad = lambda b: b if b.numel() else torch.zeros(1, device=device)  # noqa: E731
+    dtypes = (torch.float16, torch.bfloat16)
+    return KernelConstants(
+        kq.rotation(device),
+        pad(kq.boundaries(device)),
+        pad(vq.boundaries(device)),
+        {dt: kq.code_values(device, dt) for dt in dtypes},
+        {dt: vq.code_values(device, dt) for dt in dtypes},
+    )
+
+
+def kernel_constants(layout: CacheLayout, device: torch.device) -> KernelConstants:
+    """Cached per (bits, head_dim, device): built once, before any CUDA-graph capture."""
+    return _constants(layout.preset.k_bits, layout.preset.v_bits, layout.head_dim, torch.device(device))

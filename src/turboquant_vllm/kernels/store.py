@@ -1,0 +1,121 @@
+"""Store kernel: rotate, normalize, quantize and pack new keys/values into the paged cache.
+
+Reference: turboquant_vllm.core.reference.store_kv_reference (bit-exact up to fp32 rounding of
+the rotation). One launch writes K and V: grid axis 2 picks which.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.layout import CacheLayout
+from ..core.quantizer import Quantizer
+from .common import check_dtype, codes_to_plane_bytes, next_pow2
+from .constants import kernel_constants
+
+
+@triton.jit
+def _quantize_and_store(
+    src_ptr, stride_t, stride_h, cache_ptr, page_base, slot_off, valid, rot_t, bounds_ptr,
+    head, tok, dims,
+    BITS: tl.constexpr, CODE_BYTES: tl.constexpr, CODE_OFF: tl.constexpr, NORM_OFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    x = tl.load(src_ptr + tok[:, None] * stride_t + head * stride_h + dims[None, :],
+                mask=valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    rotated = tl.dot(x, rot_t, input_precision="ieee")
+    y = rotated / tl.where(norm > 0, norm, 1.0)[:, None]  # a zero vector keeps y = 0
+    # Sign-magnitude code: top bit = sign, low bits = number of magnitude boundaries below |y|.
+    mag = tl.zeros((BLOCK_T, D_PAD), dtype=tl.int32)
+    for i in tl.static_range((1 << (BITS - 1)) - 1):
+        mag += (tl.abs(y) > tl.load(bounds_ptr + i)).to(tl.int32)
+    code = ((y < 0).to(tl.int32) << (BITS - 1)) | mag
+    base = page_base + CODE_OFF + slot_off * CODE_BYTES  # (BLOCK_T,)
+    if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
+        lo = codes_to_plane_bytes(code & 3, BLOCK_T, D_PAD, 2)
+        jl = tl.arange(0, D_PAD // 4)
+        tl.store(cache_ptr + base[:, None] + jl[None, :], lo, mask=valid[:, None] & (jl[None, :] < HEAD_DIM // 4))
+        hi = codes_to_plane_bytes(code >> 2, BLOCK_T, D_PAD, 1)
+        jh = tl.arange(0, D_PAD // 8)
+        tl.store(cache_ptr + base[:, None] + HEAD_DIM // 4 + jh[None, :], hi,
+                 mask=valid[:, None] & (jh[None, :] < HEAD_DIM // 8))
+    else:
+        packed = codes_to_plane_bytes(code, BLOCK_T, D_PAD, BITS)
+        j = tl.arange(0, D_PAD * BITS // 8)
+        tl.store(cache_ptr + base[:, None] + j[None, :], packed, mask=valid[:, None] & (j[None, :] < CODE_BYTES))
+    norm_ptr = (cache_ptr + page_base + NORM_OFF + slot_off * 4).to(tl.pointer_type(tl.float32))
+    tl.store(norm_ptr, norm, mask=valid)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, k_bounds_ptr, v_bounds_ptr,
+    num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_cblock, stride_chead,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
+    K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
+):
+    head = tl.program_id(1)
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    valid = slot >= 0
+    safe = tl.where(valid, slot, 0)
+    page_base = (safe // BLOCK_SIZE) * stride_cblock + head * stride_chead
+    slot_off = safe % BLOCK_SIZE
+    dims = tl.arange(0, D_PAD)
+    # rot_t[i, j] = R[j, i], so x @ rot_t = (R x) for row vectors x
+    rmask = (dims[:, None] < HEAD_DIM) & (dims[None, :] < HEAD_DIM)
+    rot_t = tl.load(rot_ptr + dims[None, :] * HEAD_DIM + dims[:, None], mask=rmask, other=0.0)
+    if tl.program_id(2) == 0:
+        _quantize_and_store(key_ptr, stride_kt, stride_kh, cache_ptr, page_base, slot_off, valid, rot_t,
+                            k_bounds_ptr, head, tok, dims, K_BITS, K_CODE_BYTES, 0, K_NORM_OFF,
+                            HEAD_DIM, D_PAD, BLOCK_T)
+    else:
+        _quantize_and_store(value_ptr, stride_vt, stride_vh, cache_ptr, page_base, slot_off, valid, rot_t,
+                            v_bounds_ptr, head, tok, dims, V_BITS, V_CODE_BYTES, V_CODE_OFF, V_NORM_OFF,
+                            HEAD_DIM, D_PAD, BLOCK_T)
+
+
+def check_cache(kv_cache: torch.Tensor, layout: CacheLayout) -> None:
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or tuple(kv_cache.shape[1:]) != layout.cache_shape(0)[1:]:
+        raise ValueError(
+            f"kv_cache must be uint8 of shape (num_blocks, {layout.num_kv_heads}, {layout.head_page_bytes}) "
+            f"for this layout, got {kv_cache.dtype} {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != layout.head_page_bytes:
+        raise ValueError("each block of kv_cache must be contiguous")
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: CacheLayout
+) -> None:
+    """Quantize key/value (tokens, kv_heads, head_dim) into their slots of the paged cache (-1: skip)."""
+    expected = (key.shape[0], layout.num_kv_heads, layout.head_dim)
+    if tuple(key.shape) != expected or tuple(value.shape) != expected:
+        raise ValueError(f"key and value must have shape {expected}, got {tuple(key.shape)} and {tuple(value.shape)}")
+    check_dtype("key", key)
+    check_dtype("value", value)
+    check_cache(kv_cache, layout)
+    if slot_mapping.shape[0] < key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError("key and value must be contiguous in head_dim")
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    c = kernel_constants(layout, key.device)
+    block_t = 16 if num_tokens <= 16 else 32
+    grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
+    _store_kv_kernel[grid](
+        key, value, kv_cache, slot_mapping, c.rotation, c.key_boundaries, c.value_boundaries,
+        num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_T=block_t, BLOCK_SIZE=layout.block_size,
+        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
+        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
+        K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
+        num_warps=4,
+    )

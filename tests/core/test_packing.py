@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from turboquant_vllm.core.packing import pack_codes, record_bytes, unpack_codes
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim", [64, 80, 96, 112, 128, 256])
+def test_roundtrip_and_size(bits, dim):
+    gen = torch.Generator().manual_seed(bits * 1000 + dim)
+    codes = torch.randint(0, 2**bits, (7, 3, dim), generator=gen, dtype=torch.int32)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (7, 3, dim * bits // 8) == (7, 3, record_bytes(dim, bits))
+    assert torch.equal(unpack_codes(packed, bits, dim), codes)
+
+
+def test_layout_4bit_and_3bit():
+    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]], dtype=torch.int32)
+    assert pack_codes(codes, 4).tolist() == [[0x21, 0x43, 0x65, 0x07]]
+    # 3 bits: low-2-bit plane (4 codes a byte) then the top-bit plane (8 a byte): 8 codes in 3 bytes
+    lo = [1 | 2 << 2 | 3 << 4 | 0 << 6, 1 | 2 << 2 | 3 << 4 | 0 << 6]
+    hi = [0b01111000]
+    assert pack_codes(codes, 3).tolist() == [lo + hi]
+
+
+def test_bad_dim():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        record_bytes(100, 4)
+    with pytest.raises(ValueError, match="bits"):
+        record_bytes(128, 5)

@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from turboquant_vllm.core.codebook import lloyd_max, shannon_bound
+from turboquant_vllm.core.quantizer import Quantizer
+from turboquant_vllm.core.rotation import rotation_matrix
+from turboquant_vllm.core.selftest import distortion_table
+
+
+@pytest.mark.parametrize("dim", [64, 80, 96, 112, 128, 256])
+def test_rotation_orthogonal_and_deterministic(dim):
+    r = rotation_matrix(dim)
+    assert torch.allclose(r @ r.T, torch.eye(dim), atol=1e-5)
+    assert torch.equal(r, rotation_matrix(dim, 0))
+    assert not torch.allclose(r, rotation_matrix(dim, 1))
+
+
+def test_distortion_table_within_2_percent_of_optimum():
+    for row in distortion_table(dim=128, num_vectors=20000, seed=1):
+        assert row["mse"] == pytest.approx(row["lloyd_max"], rel=0.02), row
+        assert row["mse"] > shannon_bound(row["bits"])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_quantize_shapes_norms_and_error(bits, dtype):
+    q = Quantizer(bits, 96)
+    x = (torch.randn(5, 4, 96, generator=torch.Generator().manual_seed(bits)) * 3).to(dtype)
+    packed, norms = q.quantize(x)
+    assert packed.shape == (5, 4, 96 * bits // 8) and packed.dtype == torch.uint8
+    assert norms.dtype == torch.float32
+    assert torch.allclose(norms, torch.linalg.vector_norm(x.float(), dim=-1))
+    x_hat = q.dequantize(packed, norms)
+    rel = ((x.float() - x_hat) ** 2).sum(-1) / norms**2
+    assert torch.isfinite(x_hat).all()
+    assert rel.mean() < 1.5 * lloyd_max(bits, 96).distortion
+
+
+def test_zero_vector_stays_zero():
+    q = Quantizer(4, 64)
+    x_hat = q.dequantize(*q.quantize(torch.zeros(2, 64)))
+    assert torch.equal(x_hat, torch.zeros(2, 64))
+
+
+def test_dim_mismatch():
+    with pytest.raises(ValueError, match="dim 128"):
+        Quantizer(4, 128).quantize(torch.zeros(3, 64))

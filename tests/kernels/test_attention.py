@@ -1,0 +1,113 @@
+import math
+import random
+from itertools import accumulate
+
+import pytest
+import torch
+
+from tests.conftest import DEVICE, FULL_MATRIX
+from tests.kernels.cases import make_paged_batch
+from turboquant_vllm.core.presets import PRESETS
+from turboquant_vllm.core.reference import paged_attention_reference, store_kv_reference
+from turboquant_vllm.kernels import attention_workspace_shape, paged_attention
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+NUM_CASES = 240 if FULL_MATRIX else 30
+MAX_CONTEXT = 10_000 if FULL_MATRIX else 300
+
+
+def draw_case(i: int) -> dict:
+    """Case i of the randomized matrix: every axis cycles so each value appears many times."""
+    rng = random.Random(i)
+    mode = ["decode", "prefill", "chunked", "mixed"][i % 4]
+    num_seqs = rng.choice([1, 2, 3, 5]) if mode != "decode" else rng.choice([1, 3, 8])
+    seq_lens, q_lens = [], []
+    for s in range(num_seqs):
+        n = rng.randint(1, MAX_CONTEXT) if rng.random() < 0.3 else rng.randint(1, min(MAX_CONTEXT, 700))
+        kind = mode if mode != "mixed" else ["decode", "prefill", "chunked"][s % 3]
+        q = {"decode": 1, "prefill": n, "chunked": rng.randint(1, n)}[kind]
+        if kind == "prefill" and n > 2000:  # keep long prefills affordable: a long chunk instead
+            q = rng.randint(1, 2000)
+        seq_lens.append(n)
+        q_lens.append(q)
+    return dict(
+        dtype=[torch.bfloat16, torch.float16][(i // 4) % 2],
+        head_dim=[64, 96, 128, 256][(i // 8) % 4],
+        group=[1, 4, 8][i % 3],
+        kv_heads=rng.choice([1, 2]),
+        block_size=[16, 32][(i // 2) % 2],
+        preset=list(PRESETS)[i % len(PRESETS)],
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        window=rng.choice([None] * 4 + [rng.randint(1, 300)]),
+        softcap=rng.choice([None] * 4 + [rng.uniform(5, 50)]),
+        num_splits=rng.choice([None, None, 1, 3, 8]),
+    )
+
+
+def run_case(case, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b = make_paged_batch(gen, case["preset"], case["head_dim"], case["kv_heads"], case["block_size"],
+                         case["seq_lens"], case["dtype"], DEVICE)
+    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout)
+    q_lens = case["q_lens"]
+    qsl = torch.tensor([0] + list(accumulate(q_lens)), dtype=torch.int32, device=DEVICE)
+    n_q = sum(q_lens)
+    q_heads = case["kv_heads"] * case["group"]
+    query = torch.randn(n_q, q_heads, case["head_dim"], generator=gen).to(case["dtype"]).to(DEVICE)
+    scale = 1 / math.sqrt(case["head_dim"])
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=max(q_lens),
+                    scale=scale, out=out, sliding_window=case["window"], softcap=case["softcap"],
+                    num_splits=case["num_splits"])
+    ref = paged_attention_reference(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, scale,
+                                    case["window"], case["softcap"])
+    return out, ref
+
+
+@pytest.mark.parametrize("i", range(NUM_CASES))
+def test_attention_matches_reference(i):
+    case = draw_case(i)
+    out, ref = run_case(case, seed=1000 + i)
+    assert not torch.isnan(out).any(), "output not fully written (or NaN produced)"
+    rel = (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
+    assert rel < TOLERANCE[case["dtype"]], f"relative error {rel:.2e} for {case}"
+
+
+def test_matrix_covers_the_axes():
+    cases = [draw_case(i) for i in range(NUM_CASES)]
+    for key, wanted in [("head_dim", {64, 96, 128, 256}), ("group", {1, 4, 8}), ("block_size", {16, 32}),
+                        ("dtype", {torch.float16, torch.bfloat16}), ("preset", set(PRESETS))]:
+        assert {c[key] for c in cases} == wanted, key
+    assert max(max(c["seq_lens"]) for c in cases) > MAX_CONTEXT // 2
+
+
+def test_workspace_is_caller_provided():
+    case = dict(draw_case(0), num_splits=4, q_lens=[1, 1], seq_lens=[50, 70])
+    gen = torch.Generator().manual_seed(5)
+    b = make_paged_batch(gen, "tq4", 64, 2, 16, case["seq_lens"], torch.float16, DEVICE)
+    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout)
+    q = torch.randn(2, 8, 64, generator=gen).half().to(DEVICE)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    ws = torch.empty(attention_workspace_shape(2, 8, 64, 4), dtype=torch.float32, device=DEVICE)
+    out = torch.empty_like(q)
+    args = (q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens)
+    paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws, num_splits=4)
+    ref = paged_attention_reference(*args, 0.125)
+    assert (out.float() - ref).norm() / ref.norm() < 5e-3
+    with pytest.raises(ValueError, match="workspace"):
+        paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws[:10], num_splits=4)
+
+
+def test_rejects_bad_input():
+    gen = torch.Generator().manual_seed(6)
+    b = make_paged_batch(gen, "tq4", 64, 2, 16, [10], torch.float16, DEVICE)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, 3, 64).half().to(DEVICE)
+    with pytest.raises(ValueError, match="multiple of 2 KV heads"):
+        paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,
+                        out=torch.empty_like(q))
+    q = torch.randn(1, 2, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,
+                        out=torch.empty_like(q))

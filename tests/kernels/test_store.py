@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from tests.conftest import DEVICE
+from tests.kernels.cases import make_paged_batch
+from turboquant_vllm.core.presets import PRESETS
+from turboquant_vllm.core.quantizer import Quantizer
+from turboquant_vllm.core.reference import store_kv_reference
+from turboquant_vllm.kernels import store_kv
+
+HEAD_DIMS = [64, 96, 128, 256]
+
+
+def near_boundary_bytes(x, layout, bits, eps=1e-5):
+    """Codes whose rotated coordinate sits within fp32 rounding of a decision boundary may differ."""
+    q = Quantizer(bits, layout.head_dim)
+    xf = x.float().cpu()
+    y = (xf @ q.rotation().T) / torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    edges = torch.cat([q.boundaries(), torch.zeros(1)])
+    return ((y.abs().unsqueeze(-1) - edges).abs() < eps).any(-1)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_store_matches_reference(preset, head_dim, dtype):
+    gen = torch.Generator().manual_seed(hash((preset, head_dim, str(dtype))) % 2**31)
+    block_size = [16, 32][head_dim % 3 == 0]
+    batch = make_paged_batch(gen, preset, head_dim, 2, block_size, [37, 5], dtype, DEVICE)
+    slots = batch.slot_mapping.clone()
+    slots[3] = -1  # skipped token: its slot keeps the poison
+    ours, ref = batch.kv_cache.clone(), batch.kv_cache.clone()
+    store_kv(batch.keys, batch.values, ours, slots, batch.layout)
+    store_kv_reference(batch.keys, batch.values, ref, slots, batch.layout)
+    lay = batch.layout
+    codes = torch.ones(lay.head_page_bytes, dtype=torch.bool, device=ours.device)
+    codes[lay.key_norm_offset : lay.value_code_offset] = False
+    codes[lay.value_norm_offset :] = False
+    diff = (ours != ref)[:, :, codes]
+    if diff.any():
+        # A differing code must belong to a coordinate within fp32 rounding of a decision boundary.
+        loose = near_boundary_bytes(batch.keys, lay, lay.preset.k_bits).any() or near_boundary_bytes(
+            batch.values, lay, lay.preset.v_bits
+        ).any()
+        assert loose, f"{int(diff.sum())} code bytes differ with no coordinate near a boundary"
+        assert diff.sum() <= 2
+    # Norms agree to fp32 rounding.
+    def norms(cache, off):
+        blk, o = slots[slots >= 0] // lay.block_size, slots[slots >= 0] % lay.block_size
+        raw = cache.view(cache.shape[0], lay.num_kv_heads, -1)[:, :, off : off + 4 * lay.block_size]
+        return raw.contiguous().view(torch.float32)[blk, :, o]
+    for off in (lay.key_norm_offset, lay.value_norm_offset):
+        torch.testing.assert_close(norms(ours, off), norms(ref, off), rtol=2e-6, atol=0)
+
+
+def test_store_rejects_bad_input():
+    gen = torch.Generator().manual_seed(0)
+    b = make_paged_batch(gen, "tq4", 64, 2, 16, [4], torch.float16, DEVICE)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        store_kv(b.keys.float(), b.values.float(), b.kv_cache, b.slot_mapping, b.layout)
+    with pytest.raises(ValueError, match="shape"):
+        store_kv(b.keys[:, :1], b.values[:, :1], b.kv_cache, b.slot_mapping, b.layout)
+    with pytest.raises(ValueError, match="kv_cache must be uint8"):
+        store_kv(b.keys, b.values, b.kv_cache[:, :, :-1], b.slot_mapping, b.layout)
