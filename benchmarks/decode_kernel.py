@@ -69,18 +69,18 @@ class Batch:
         return self.batch * self.context * KV_HEADS * bytes_per_token_per_head + meta
 
 
-def ours(b: Batch, preset: str):
+def ours(b: Batch, preset: str, splits: int | None = None, **tuning):
     layout = CacheLayout(get_preset(preset), HEAD_DIM, KV_HEADS, BLOCK)
     cache = torch.empty(layout.cache_shape(b.num_blocks), dtype=torch.uint8, device="cuda")
     for ids, k, v in b.slot_chunks():
         slots = (ids[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()
         store_kv(k, v, cache, slots, layout)
-    splits = default_num_splits(b.batch, KV_HEADS)
+    splits = splits or default_num_splits(b.batch, KV_HEADS)
     ws = torch.empty(attention_workspace_shape(b.batch, Q_HEADS, HEAD_DIM, splits), dtype=torch.float32, device="cuda")
     out = torch.empty_like(b.query)
     fn = lambda: paged_attention(  # noqa: E731
         b.query, cache, layout, b.block_table, b.qsl, b.seq_lens, max_query_len=1, scale=HEAD_DIM**-0.5, out=out,
-        workspace=ws, num_splits=splits)
+        workspace=ws, num_splits=splits, **tuning)
     return fn, layout.bytes_per_token_per_head, cache
 
 
@@ -122,9 +122,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--sweep", action="store_true", help="time tile / warp / split choices of ours instead")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     gen = torch.Generator().manual_seed(0)
+    if args.sweep:
+        return sweep(shapes, gen)
     peak = copy_bandwidth()
     print(f"measured copy bandwidth: {peak / 1e12:.2f} TB/s")
     rows = []
@@ -166,6 +169,26 @@ def main() -> None:
         del b, cache
         torch.cuda.empty_cache()
     write(rows, peak, Path(args.out))
+
+
+def sweep(shapes, gen) -> None:
+    for batch, context in shapes:
+        b = Batch(batch, context, gen)
+        base = default_num_splits(batch, KV_HEADS)
+        for preset in ("tq4", "tq3"):
+            for block_n in (32, 64, 128):
+                for num_warps in (4, 8):
+                    for splits in (base, 2 * base, 4 * base):
+                        try:
+                            fn, bpt, _ = ours(b, preset, splits, block_n=block_n, num_warps=num_warps)
+                            ms = bench(fn)
+                        except Exception as e:
+                            print(f"sweep {preset} {batch}x{context} n{block_n} w{num_warps} s{splits}: {e!r}"[:300])
+                            continue
+                        print(f"sweep {preset} {batch}x{context} block_n={block_n} warps={num_warps} splits={splits}: "
+                              f"{ms:.3f} ms {b.bytes_kv(bpt) / ms / 1e6:.0f} GB/s")
+        del b
+        torch.cuda.empty_cache()
 
 
 def write(rows, peak, out: Path) -> None:

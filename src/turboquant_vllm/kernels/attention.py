@@ -31,10 +31,22 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _load_values(cache_ptr, rec_base, valid, lut_ptr,
+def _load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
                  BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Codes of BLOCK_N records starting at rec_base -> their table values (BLOCK_N, D_PAD)."""
-    if BITS == 3:
+    """Values of BLOCK_N records at rec_base, as (even coordinates, odd coordinates), fp16 (BLOCK_N, D_PAD/2)."""
+    DH: tl.constexpr = D_PAD // 2
+    if BITS == 4:  # byte j holds coordinates 2j (low nibble) and 2j+1 (high nibble)
+        j = tl.arange(0, DH)
+        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=valid[:, None] & (j[None, :] < HEAD_DIM // 2),
+                         other=0)
+        if ASM != "":
+            even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
+                                                  is_pure=True, pack=4)
+        else:
+            even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
+            odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
+        return even, odd
+    if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
         jl = tl.arange(0, D_PAD // 4)
         lo = tl.load(cache_ptr + rec_base[:, None] + jl[None, :], mask=valid[:, None] & (jl[None, :] < HEAD_DIM // 4),
                      other=0)
@@ -47,12 +59,13 @@ def _load_values(cache_ptr, rec_base, valid, lut_ptr,
         packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :],
                          mask=valid[:, None] & (j[None, :] < HEAD_DIM * BITS // 8), other=0)
         code = plane_bytes_to_codes(packed, BLOCK_N, D_PAD * BITS // 8, BITS)
-    return tl.load(lut_ptr + code)
+    values = tl.load(lut_ptr + code)
+    return tl.split(tl.reshape(values, (BLOCK_N, DH, 2)))
 
 
 @triton.jit
 def _mma(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a @ b; UPCAST runs it in fp32 (Triton's CPU interpreter mis-multiplies bf16 operands)."""
+    """acc + a @ b; UPCAST runs it in fp32 (Triton's CPU interpreter mis-multiplies half-precision operands)."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
@@ -68,7 +81,7 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,9 +114,13 @@ def _attention_kernel(
     row_ok = (rows < BLOCK_Q * G_PAD) & (g < GROUP) & (q_idx < q_len)
     head = kv_head * GROUP + g
     token = q_start + q_idx
-    dims = tl.arange(0, D_PAD)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    # Work on even and odd coordinates separately: that is how 4-bit codes share a byte.
+    DH: tl.constexpr = D_PAD // 2
+    even = 2 * tl.arange(0, DH)
+    d_ok = row_ok[:, None] & (even[None, :] < HEAD_DIM)
+    q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + even[None, :]
+    q_even = tl.load(q_row, mask=d_ok, other=0.0)
+    q_odd = tl.load(q_row + 1, mask=d_ok, other=0.0)
     q_pos = ctx_len + q_idx  # absolute position of each row's query token
 
     last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -118,7 +135,8 @@ def _attention_kernel(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    acc_even = tl.zeros((BLOCK_M, DH), tl.float32)
+    acc_odd = tl.zeros((BLOCK_M, DH), tl.float32)
     LOG2E: tl.constexpr = 1.4426950408889634
     cols = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
@@ -127,10 +145,12 @@ def _attention_kernel(
         phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         page = phys * stride_cblock + kv_head * stride_chead
         off = n % BLOCK_SIZE
-        k = _load_values(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, K_BITS, HEAD_DIM, D_PAD, BLOCK_N)
+        k_even, k_odd = _load_halves(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, ASM, K_BITS, HEAD_DIM,
+                                     D_PAD, BLOCK_N)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
-        s = _mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST) * k_norm[None, :]
+        s = _mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
+        s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * k_norm[None, :]
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
         allowed = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
@@ -142,21 +162,28 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_values(cache_ptr, page + V_CODE_OFF + off * V_CODE_BYTES, n_ok, v_lut_ptr, V_BITS, HEAD_DIM, D_PAD,
-                         BLOCK_N)
+        v_even, v_odd = _load_halves(cache_ptr, page + V_CODE_OFF + off * V_CODE_BYTES, n_ok, v_lut_ptr, ASM, V_BITS,
+                                     HEAD_DIM, D_PAD, BLOCK_N)
         v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
-        acc = _mma((p * v_norm[None, :]).to(v.dtype), v, acc * alpha[:, None], UPCAST)
+        # Fold the value norms into p, scaled into [0, 1] so any norm fits the fp16 operand.
+        v_scale = tl.max(v_norm, axis=0)
+        v_scale = tl.where(v_scale > 0, v_scale, 1.0)
+        pv = (p * (v_norm / v_scale)[None, :]).to(tl.float16)
+        acc_even = acc_even * alpha[:, None] + v_scale * _mma(pv, v_even, tl.zeros((BLOCK_M, DH), tl.float32), UPCAST)
+        acc_odd = acc_odd * alpha[:, None] + v_scale * _mma(pv, v_odd, tl.zeros((BLOCK_M, DH), tl.float32), UPCAST)
         m_i = m_new
 
     out_rows = token[:, None] * NUM_Q_HEADS + head[:, None]
     if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(o_ptr + out_rows * HEAD_DIM + dims[None, :], o, mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM))
+        inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o = o_ptr + out_rows * HEAD_DIM + even[None, :]
+        tl.store(o, acc_even * inv_l, mask=d_ok)
+        tl.store(o + 1, acc_odd * inv_l, mask=d_ok)
     else:
-        part = out_rows * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part * HEAD_DIM + dims[None, :], acc,
-                 mask=row_ok[:, None] & (dims[None, :] < HEAD_DIM))
+        part = part_acc_ptr + (out_rows * NUM_SPLITS + split) * HEAD_DIM + even[None, :]
+        tl.store(part, acc_even, mask=d_ok)
+        tl.store(part + 1, acc_odd, mask=d_ok)
         ml = part_ml_ptr + (token * NUM_Q_HEADS + head) * (2 * NUM_SPLITS) + split
         tl.store(ml, m_i, mask=row_ok)
         tl.store(ml + NUM_SPLITS, l_i, mask=row_ok)
@@ -207,6 +234,8 @@ def paged_attention(
     softcap: float | None = None,
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -243,21 +272,23 @@ def paged_attention(
 
     c = kernel_constants(layout, query.device)
     # Rotate the queries once, folding in the softmax scale; the inner loop then works in the rotated basis.
-    q_rot = ((query.float() @ c.rotation.T) * scale).to(query.dtype)
+    # MMA operands are fp16 whatever the model dtype: 3 more mantissa bits than bf16, same speed.
+    q_rot = ((query.float() @ c.rotation.T) * scale).to(torch.float16)
     grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
     _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
-        q_rot, kv_cache, block_table, query_start_loc, seq_lens, c.key_values[query.dtype], c.value_values[query.dtype],
+        q_rot, kv_cache, block_table, query_start_loc, seq_lens, c.key_values[torch.float16], c.value_values[torch.float16],
         o_rot, part_acc if num_splits > 1 else o_rot, part_ml if num_splits > 1 else o_rot,
         num_seqs, q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         sliding_window or 0, float(softcap or 0.0),
-        NUM_Q_HEADS=num_q_heads, GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=64,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
         HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_SIZE=layout.block_size,
         K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
         K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
-        num_warps=4,
+        ASM="" if INTERPRETED else c.nibble_asm,
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(rows,)](part_acc, part_ml, o_rot, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,

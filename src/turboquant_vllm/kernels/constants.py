@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from ..core.layout import CacheLayout
+from ..core.codebook import lloyd_max
 from ..core.quantizer import Quantizer
+from .common import nibble_lookup_asm
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,7 @@ class KernelConstants:
     value_boundaries: torch.Tensor
     key_values: dict  # dtype -> (2^k_bits,) code values
     value_values: dict
+    nibble_asm: str  # PTX lookup of 4-bit codes (kernels.common.nibble_lookup_asm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +35,12 @@ def _constants(k_bits: int, v_bits: int, head_dim: int, device: torch.device) ->
         pad(vq.boundaries(device)),
         {dt: kq.code_values(device, dt) for dt in dtypes},
         {dt: vq.code_values(device, dt) for dt in dtypes},
+        nibble_lookup_asm(_fp16_bits(lloyd_max(4, head_dim).magnitudes)),
     )
+
+
+def _fp16_bits(values) -> list[int]:
+    return torch.tensor(values, dtype=torch.float16).view(torch.int16).to(torch.int32).bitwise_and(0xFFFF).tolist()
 
 
 def kernel_constants(layout: CacheLayout, device: torch.device) -> KernelConstants:

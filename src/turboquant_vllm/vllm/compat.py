@@ -257,14 +257,20 @@ def turboquant_kv_cache_spec(layer: Any, vllm_config: Any, spec: Any) -> Any:
     from . import resolve_preset
 
     name = getattr(layer, "layer_name", "?")
+    where = f"TurboQuant (--attention-backend CUSTOM), layer {name}"
+    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+        raise ValueError(
+            f"{where}: this attention variant ({type(layer).__name__}, KV-cache spec {type(spec).__name__}) is not "
+            "supported; only full and sliding-window decoder attention are. Serve this model with another "
+            "--attention-backend"
+        )
     problems = config_problems(vllm_config)
     if problems:
-        raise ValueError(f"TurboQuant (--attention-backend CUSTOM), layer {name}: " + "; ".join(problems))
+        raise ValueError(f"{where}: " + "; ".join(problems))
     if spec.head_size_v != spec.head_size:
         raise ValueError(
-            f"TurboQuant (--attention-backend CUSTOM), layer {name}: key head size {spec.head_size} differs "
-            f"from value head size {spec.head_size_v}; only equal K/V head sizes are supported. "
-            "Serve this model with another --attention-backend"
+            f"{where}: key head size {spec.head_size} differs from value head size {spec.head_size_v}; only equal "
+            "K/V head sizes are supported. Serve this model with another --attention-backend"
         )
     preset = resolve_preset(vllm_config).name
     # Validates head_size / block_size with a message naming the constraint.
@@ -284,19 +290,13 @@ def turboquant_kv_cache_spec(layer: Any, vllm_config: Any, spec: Any) -> Any:
             non_causal=spec.non_causal,
             **common,
         )
-    if type(spec) is SlidingWindowSpec:
-        block_size = vllm_config.cache_config.block_size
-        if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-            # vLLM would turn a SlidingWindowSpec into a plain (uncompressed) FullAttentionSpec;
-            # give it the full-attention form of ours instead: window computed, blocks kept.
-            return TurboQuantFullAttentionSpec(block_size=block_size, sliding_window=spec.sliding_window, **common)
-        # Same block size as the full-attention layers, so every page has the same size.
-        return TurboQuantSlidingWindowSpec(block_size=block_size, sliding_window=spec.sliding_window, **common)
-    raise ValueError(
-        f"TurboQuant (--attention-backend CUSTOM), layer {name}: this attention variant "
-        f"({type(layer).__name__}, KV-cache spec {type(spec).__name__}) is not supported; only full and "
-        "sliding-window decoder attention are. Serve this model with another --attention-backend"
-    )
+    # Sliding window: same block size as the full-attention layers, so every page has one size.
+    block_size = vllm_config.cache_config.block_size
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        # vLLM would turn a SlidingWindowSpec into a plain (uncompressed) FullAttentionSpec; give it
+        # the full-attention form of ours instead: the window is computed, its blocks are kept.
+        return TurboQuantFullAttentionSpec(block_size=block_size, sliding_window=spec.sliding_window, **common)
+    return TurboQuantSlidingWindowSpec(block_size=block_size, sliding_window=spec.sliding_window, **common)
 
 
 def install_kv_cache_spec_hook() -> None:

@@ -1,0 +1,196 @@
+"""The backend's class-level contract with vLLM's selector: name, sizes, dtypes, refusals."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf
+
+from turboquant_vllm.core.layout import CacheLayout
+from turboquant_vllm.core.presets import get_preset
+from turboquant_vllm.vllm import compat
+from turboquant_vllm.vllm.backend import TQ4AttentionBackend, TQ4AttentionImpl, TQ4MetadataBuilder
+
+H200 = DeviceCapability(9, 0)
+
+
+def validate(**overrides) -> list[str]:
+    """What vLLM's CUDA platform calls for --attention-backend CUSTOM, once per layer shape."""
+    cfg = dict(
+        head_size=128,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=None,
+        use_mla=False,
+        has_sink=False,
+        use_sparse=False,
+        use_mm_prefix=False,
+        use_per_head_quant_scales=False,
+        device_capability=H200,
+        attn_type=AttentionType.DECODER,
+        use_non_causal=False,
+        use_batch_invariant=False,
+        use_kv_connector=False,
+    )
+    cfg.update(overrides)
+    return TQ4AttentionBackend.validate_configuration(**cfg)
+
+
+def test_name_impl_builder():
+    assert TQ4AttentionBackend.get_name() == "CUSTOM"
+    assert TQ4AttentionBackend.get_impl_cls() is TQ4AttentionImpl
+    assert TQ4AttentionBackend.get_builder_cls() is TQ4MetadataBuilder
+    assert TQ4AttentionBackend.forward_includes_kv_cache_update is False
+    assert TQ4AttentionBackend.is_mla() is False
+
+
+def test_a_plain_decoder_layer_is_valid():
+    assert validate() == []
+    assert validate(dtype=torch.float16, block_size=32, kv_cache_dtype="bfloat16") == []
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 192, 256])
+def test_supported_head_sizes(head_size):
+    assert TQ4AttentionBackend.supports_head_size(head_size)
+    assert head_size in TQ4AttentionBackend.get_supported_head_sizes()
+    assert validate(head_size=head_size) == []
+
+
+@pytest.mark.parametrize("head_size", [16, 72, 100, 257, 512])
+def test_unsupported_head_sizes_are_refused_with_the_constraint(head_size):
+    assert not TQ4AttentionBackend.supports_head_size(head_size)
+    (reason,) = validate(head_size=head_size)
+    assert f"head size {head_size}" in reason and "multiple of 16" in reason and "--attention-backend" in reason
+
+
+def test_dtypes():
+    assert TQ4AttentionBackend.supports_dtype(torch.bfloat16)
+    assert TQ4AttentionBackend.supports_dtype(torch.float16)
+    assert not TQ4AttentionBackend.supports_dtype(torch.float32)
+    (reason,) = validate(dtype=torch.float32)
+    assert "--dtype bfloat16" in reason
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "int8_per_token_head", "turboquant_4bit_nc"])
+def test_other_kv_cache_dtypes_are_refused(kv_cache_dtype):
+    (reason,) = validate(kv_cache_dtype=kv_cache_dtype)
+    assert "drop --kv-cache-dtype" in reason
+
+
+def test_block_sizes():
+    assert TQ4AttentionBackend.get_supported_kernel_block_sizes()[0].base == 16
+    assert isinstance(TQ4AttentionBackend.get_supported_kernel_block_sizes()[0], MultipleOf)
+    for ok in (16, 32, 64, 128, 256, 544):
+        assert TQ4AttentionBackend.supports_block_size(ok)
+    (reason,) = validate(block_size=8)
+    assert "multiple of 16" in reason
+
+
+def test_mla_is_refused():
+    reasons = validate(use_mla=True, head_size=576)
+    assert any("MLA" in r and "--attention-backend" in r for r in reasons)
+
+
+@pytest.mark.parametrize(
+    "attn_type", [AttentionType.ENCODER, AttentionType.ENCODER_ONLY, AttentionType.ENCODER_DECODER]
+)
+def test_encoder_and_cross_attention_are_refused(attn_type):
+    assert not TQ4AttentionBackend.supports_attn_type(attn_type)
+    (reason,) = validate(attn_type=attn_type)
+    assert "decoder self-attention" in reason and "--attention-backend" in reason
+
+
+@pytest.mark.parametrize(
+    "flag, needle",
+    [
+        ("has_sink", "sinks"),
+        ("use_sparse", "sparse"),
+        ("use_mm_prefix", "multimodal"),
+        ("use_non_causal", "non-causal"),
+        ("use_batch_invariant", "VLLM_BATCH_INVARIANT"),
+        ("use_kv_connector", "--kv-transfer-config"),
+        ("use_per_head_quant_scales", "per-head"),
+    ],
+)
+def test_unsupported_features_are_refused(flag, needle):
+    (reason,) = validate(**{flag: True})
+    assert needle in reason
+
+
+def test_compute_capability():
+    assert TQ4AttentionBackend.supports_compute_capability(DeviceCapability(8, 0))
+    assert TQ4AttentionBackend.supports_compute_capability(H200)
+    (reason,) = validate(device_capability=DeviceCapability(7, 5))
+    assert "8.0" in reason
+
+
+def test_cuda_graph_support_covers_uniform_decode_batches():
+    support = TQ4MetadataBuilder.get_cudagraph_support(None, None)
+    assert support.value >= AttentionCGSupport.UNIFORM_BATCH.value
+
+
+def test_kv_cache_shape_is_the_compressed_layout():
+    shape = TQ4AttentionBackend.get_kv_cache_shape(1000, 16, 8, 128, cache_dtype_str="auto")
+    assert shape == CacheLayout(get_preset("tq4"), 128, 8, 16).cache_shape(1000) == (1000, 8, 16 * 136)
+    # vLLM finds the block dimension by probing the shape
+    assert TQ4AttentionBackend.get_kv_cache_block_dim(16, 8, 128) == 0
+    assert TQ4AttentionBackend.indexes_kv_by_block_stride() is False
+    with pytest.raises(ValueError, match="multiple of 16"):
+        TQ4AttentionBackend.get_kv_cache_shape(10, 8, 8, 128)
+
+
+def test_kv_cache_shape_follows_the_preset(monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
+    assert TQ4AttentionBackend.get_kv_cache_shape(2, 16, 4, 128) == (2, 4, 16 * 104)
+
+
+def fake_config(**parts):
+    base = dict(
+        model_config=types.SimpleNamespace(is_hybrid=False, use_mla=False),
+        cache_config=types.SimpleNamespace(kv_cache_dtype_skip_layers=[]),
+        parallel_config=types.SimpleNamespace(
+            decode_context_parallel_size=1, prefill_context_parallel_size=1, enable_dbo=False
+        ),
+        additional_config={},
+    )
+    for key, value in parts.items():
+        section, attr = key.split("__")
+        setattr(base[section], attr, value)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize(
+    "setting, needle",
+    [
+        ({"model_config__is_hybrid": True}, "Mamba"),
+        ({"model_config__use_mla": True}, "MLA"),
+        ({"cache_config__kv_cache_dtype_skip_layers": ["0"]}, "--kv-cache-dtype-skip-layers"),
+        ({"parallel_config__decode_context_parallel_size": 2}, "context parallelism"),
+        ({"parallel_config__prefill_context_parallel_size": 2}, "context parallelism"),
+        ({"parallel_config__enable_dbo": True}, "--enable-dbo"),
+    ],
+)
+def test_config_level_refusals(setting, needle, monkeypatch):
+    assert compat.config_problems(fake_config()) == []
+    cfg = fake_config(**setting)
+    (problem,) = compat.config_problems(cfg)
+    assert needle in problem
+    monkeypatch.setattr(compat, "current_vllm_config", lambda: cfg)
+    assert any(needle in r for r in validate())
+
+
+def test_impl_refuses_what_it_cannot_run(vllm_config):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):
+        with pytest.raises(ValueError, match="ALiBi"):
+            TQ4AttentionImpl(8, 128, 0.1, 8, [0.5] * 8, None, "auto")
+        with pytest.raises(ValueError, match="decoder self-attention"):
+            TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", attn_type=AttentionType.ENCODER_DECODER)
+        with pytest.raises(ValueError, match="sinks"):
+            TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", sinks=torch.zeros(8))
+        with pytest.raises(ValueError, match="head_dim"):
+            TQ4AttentionImpl(8, 72, 0.1, 8, None, None, "auto")

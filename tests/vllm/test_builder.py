@@ -1,0 +1,133 @@
+"""Metadata builder: decode, prefill, chunked prefill and mixed batches; CUDA-graph-safe tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from tests.vllm.conftest import make_layers
+from turboquant_vllm.kernels import default_num_splits
+from turboquant_vllm.vllm.compat import TurboQuantFullAttentionSpec
+
+BLOCK = 16
+
+
+def make_builder(vllm_config, layer_names, kv_heads=8, head_size=128, block_size=BLOCK):
+    from turboquant_vllm.vllm.backend import TQ4MetadataBuilder
+
+    spec = TurboQuantFullAttentionSpec(
+        block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.uint8, turboquant_preset="tq4"
+    )
+    return TQ4MetadataBuilder(spec, layer_names, vllm_config, torch.device("cpu"))
+
+
+def make_cam(q_lens, seq_lens, num_actual_tokens=None, block_table=None, slot_mapping=None):
+    """CommonAttentionMetadata as the runners hand it over (query_start_loc on device and on CPU)."""
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    if block_table is None:
+        width = max(math.ceil(s / BLOCK) for s in seq_lens)
+        block_table = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    total = int(qsl[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.clone(),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(q_lens),
+        num_actual_tokens=num_actual_tokens or total,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping if slot_mapping is not None else torch.zeros(total, dtype=torch.int64),
+    )
+
+
+@pytest.fixture
+def builder(vllm_config, bf16_default):
+    make_layers(vllm_config, 2)
+    return make_builder(vllm_config, ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"])
+
+
+def test_builder_setup(builder):
+    assert builder.num_q_heads == 32 and builder.num_kv_heads == 8 and builder.head_dim == 128
+    assert builder.reorder_batch_threshold == 1  # vLLM orders decodes first
+
+
+def test_decode_batch_uses_persistent_tensors(builder):
+    cam = make_cam([1, 1, 1], [17, 300, 5])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.num_prefill_tokens) == (3, 3, 0, 0)
+    assert md.decode_num_splits == default_num_splits(3, 8, builder.num_sms)
+    # a captured graph must see the runner's persistent buffers, not copies
+    assert md.decode_query_start_loc is cam.query_start_loc
+    assert md.decode_seq_lens is cam.seq_lens and md.decode_block_table is cam.block_table_tensor
+    assert md.prefill_query_start_loc is None
+
+
+def test_padded_decode_batch_counts_real_tokens(builder):
+    # a CUDA-graph-sized batch: 3 real decodes, padded to 4 tokens / 4 requests (the last empty)
+    cam = make_cam([1, 1, 1, 0], [17, 300, 5, 0], num_actual_tokens=4)
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_decode_tokens) == (4, 3)
+    assert md.num_actual_tokens == 4
+
+
+def test_prefill_batch(builder):
+    cam = make_cam([5, 9], [5, 9])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_prefills, md.num_prefill_tokens) == (0, 2, 14)
+    assert md.prefill_query_start_loc is cam.query_start_loc
+    assert md.prefill_max_query_len == 9
+
+
+def test_chunked_prefill_batch(builder):
+    # continuation chunks: 8 new tokens on top of 40 cached, 3 on top of 100
+    cam = make_cam([8, 3], [48, 103])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_prefills, md.num_prefill_tokens) == (0, 2, 11)
+    assert md.prefill_seq_lens.tolist() == [48, 103]
+
+
+def test_mixed_batch_splits_decodes_from_the_rest(builder):
+    cam = make_cam([1, 1, 7, 3], [40, 3, 7, 23])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_decode_tokens) == (2, 2)
+    assert (md.num_prefills, md.num_prefill_tokens) == (2, 10)
+    assert md.decode_query_start_loc.tolist() == [0, 1, 2]
+    assert md.decode_seq_lens.tolist() == [40, 3]
+    assert md.prefill_query_start_loc.tolist() == [0, 7, 10]  # rebased to the prefill tokens
+    assert md.prefill_seq_lens.tolist() == [7, 23]
+    assert md.prefill_block_table.shape[0] == 2
+    assert md.decode_num_splits == default_num_splits(2, 8, builder.num_sms)
+
+
+def test_uniform_speculative_batch_is_one_capturable_launch(builder):
+    cam = make_cam([3, 3, 3], [50, 60, 70])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_prefills, md.num_prefill_tokens) == (0, 3, 9)
+    assert md.prefill_query_start_loc is cam.query_start_loc
+
+
+def test_unordered_batch_is_still_correctly_covered(builder):
+    cam = make_cam([4, 1, 1], [10, 20, 30])  # a decode after a prefill: all go to the general kernel
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_prefills, md.num_prefill_tokens) == (0, 3, 6)
+
+
+def test_builds_for_capture_and_drafting(builder):
+    cam = make_cam([1] * 8, [1] * 8)
+    assert builder.build_for_cudagraph_capture(cam).num_decodes == 8
+    assert builder.build_for_drafting(cam, draft_index=0).num_decodes == 8
+
+
+def test_builder_refuses_an_uncompressed_spec(vllm_config, bf16_default):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from turboquant_vllm.vllm.backend import TQ4MetadataBuilder
+
+    make_layers(vllm_config, 1)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not a TurboQuant spec"):
+        TQ4MetadataBuilder(spec, ["model.layers.0.self_attn.attn"], vllm_config, torch.device("cpu"))

@@ -1,0 +1,119 @@
+"""Plugin registration: entry point, idempotence, no CUDA, works through vLLM's own plugin loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP = "vllm.general_plugins"
+
+
+def declared_entry_point() -> tuple[str, str]:
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][GROUP]
+    assert len(eps) == 1, eps
+    return next(iter(eps.items()))
+
+
+def test_entry_point_is_declared():
+    name, target = declared_entry_point()
+    assert target == "turboquant_vllm.vllm:register"
+    import turboquant_vllm.vllm as plugin
+
+    assert callable(plugin.register)
+
+
+def test_register_is_idempotent_and_registers_custom():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import turboquant_vllm.vllm as plugin
+    from turboquant_vllm.vllm.backend import TQ4AttentionBackend
+
+    plugin.register()
+    plugin.register()
+    assert AttentionBackendEnum.CUSTOM.get_path() == "turboquant_vllm.vllm.TQ4AttentionBackend"
+    assert AttentionBackendEnum.CUSTOM.get_class() is TQ4AttentionBackend
+    assert plugin.TQ4AttentionBackend is TQ4AttentionBackend
+    assert TQ4AttentionBackend.get_name() == "CUSTOM"
+    assert AttentionBackendEnum[TQ4AttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
+
+
+def test_register_refuses_an_unknown_preset(monkeypatch):
+    import turboquant_vllm.vllm as plugin
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq7")
+    with pytest.raises(ValueError, match="TURBOQUANT_PRESET.*tq4"):
+        plugin.register()
+
+
+def run_python(code: str, tmp_path: Path, extra_env: dict | None = None) -> dict:
+    """Run code in a fresh interpreter (what every vLLM process is) and return its JSON line."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env.update(extra_env or {})
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def fake_distribution(tmp_path: Path) -> None:
+    """Installed-package metadata carrying pyproject's entry point, as `pip install` would write it."""
+    name, target = declared_entry_point()
+    dist = tmp_path / "turboquant_vllm-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: turboquant-vllm\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text(f"[{GROUP}]\n{name} = {target}\n")
+
+
+def test_vllm_plugin_loader_registers_us_without_cuda(tmp_path):
+    fake_distribution(tmp_path)
+    out = run_python(
+        """
+        import json, sys
+        import torch
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        load_general_plugins()
+        load_general_plugins()
+        print(json.dumps({
+            "path": AttentionBackendEnum.CUSTOM.get_path(),
+            "cuda_initialized": torch.cuda.is_initialized(),
+            "backend_imported": "turboquant_vllm.vllm.backend" in sys.modules,
+            "kernels_imported": "turboquant_vllm.kernels" in sys.modules,
+        }))
+        """,
+        tmp_path,
+        {"VLLM_PLUGINS": declared_entry_point()[0]},
+    )
+    assert out == {
+        "path": "turboquant_vllm.vllm.TQ4AttentionBackend",
+        "cuda_initialized": False,
+        "backend_imported": False,
+        "kernels_imported": False,
+    }
+
+
+def test_importing_the_backend_touches_no_cuda(tmp_path):
+    out = run_python(
+        """
+        import json
+        import torch
+        import turboquant_vllm.vllm as plugin
+        plugin.register()
+        backend = plugin.TQ4AttentionBackend
+        shape = backend.get_kv_cache_shape(4, 16, 8, 128)
+        print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(), "shape": list(shape)}))
+        """,
+        tmp_path,
+    )
+    assert out == {"cuda_initialized": False, "shape": [4, 8, 16 * 136]}

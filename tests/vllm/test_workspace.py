@@ -1,0 +1,77 @@
+"""Split-KV scratch: one shared buffer from vLLM's workspace manager, reserved at its maximum when
+the first layer is built; more layers, builders and steps add nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.utils.math_utils import round_up
+
+from tests.vllm.conftest import make_layers, workspace_bytes
+from tests.vllm.test_builder import make_builder, make_cam
+from turboquant_vllm.kernels import attention_workspace_shape, default_num_splits
+from turboquant_vllm.vllm.backend import max_workspace_elems, workspace_elems
+
+
+def test_more_layers_add_no_scratch(vllm_config, workspace, bf16_default):
+    assert workspace_bytes(workspace) == 0
+    make_layers(vllm_config, 1)
+    reserved = workspace_bytes(workspace)
+    sched = vllm_config.scheduler_config
+    max_tokens = max(sched.max_num_batched_tokens, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+    elems = max_workspace_elems(32, 8, 128, max_tokens, sched.max_num_seqs, 132)
+    assert reserved == round_up(elems * 4, 256) > 0
+    make_layers(vllm_config, 31, first=1)
+    assert workspace_bytes(workspace) == reserved
+    builder = make_builder(vllm_config, [f"model.layers.{i}.self_attn.attn" for i in range(32)])
+    assert workspace_bytes(workspace) == reserved
+    assert builder.workspace_elems == elems
+
+
+def test_reservation_covers_every_step(vllm_config):
+    sched = vllm_config.scheduler_config
+    q_heads, kv_heads, d, sms = 32, 8, 128, 132
+    most = max_workspace_elems(q_heads, kv_heads, d, sched.max_num_batched_tokens, sched.max_num_seqs, sms)
+    assert most >= attention_workspace_shape(sched.max_num_batched_tokens, q_heads, d, 1)[0]
+    for seqs in range(1, sched.max_num_seqs + 1):
+        splits = default_num_splits(seqs, kv_heads, sms)
+        assert most >= attention_workspace_shape(seqs, q_heads, d, splits)[0]
+        # a mixed step: seqs decodes, the rest of the token budget as prefill
+        assert most >= workspace_elems(seqs, sched.max_num_batched_tokens - seqs, splits, q_heads, d)
+
+
+def test_steps_take_views_of_the_shared_buffer(vllm_config, workspace, bf16_default):
+    from vllm.v1.worker.workspace import lock_workspace
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    make_layers(vllm_config, 2)
+    reserved = workspace_bytes(workspace)
+    builder = make_builder(vllm_config, names)
+    lock_workspace()  # as the V1 runner does after CUDA-graph capture: no growth allowed any more
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    base = workspace._current_workspaces[0].untyped_storage().data_ptr()
+    for q_lens in ([1] * max_seqs, [max_tokens], [1] * 7 + [max_tokens - 7], [1]):
+        md = builder.build(0, make_cam(q_lens, [q + 100 for q in q_lens]))
+        assert md.workspace.dtype == torch.float32
+        assert md.workspace.untyped_storage().data_ptr() == base
+    assert workspace_bytes(workspace) == reserved
+
+
+def test_no_workspace_manager_no_reservation(vllm_config, bf16_default):
+    from vllm.v1.worker.workspace import is_workspace_manager_initialized
+
+    assert not is_workspace_manager_initialized()
+    make_layers(vllm_config, 1)  # unit-test setting: nothing to reserve, nothing fails
+    builder = make_builder(vllm_config, ["model.layers.0.self_attn.attn"])
+    assert builder.workspace_elems is None
+    assert builder.build(0, make_cam([1, 1], [5, 9])).workspace is None
+
+
+@pytest.mark.parametrize("sms", [78, 132])
+def test_split_choice_is_the_kernels_and_fixed_by_batch_shape(sms):
+    from turboquant_vllm.vllm.backend import decode_num_splits
+
+    for seqs in (1, 2, 3, 8, 64, 256):
+        assert decode_num_splits(seqs, 8, sms) == default_num_splits(seqs, 8, sms)
+    assert decode_num_splits(0, 8, sms) == 1
