@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 16
 
 PRESET_ENV = "TURBOQUANT_PRESET"
 
@@ -72,3 +83,48 @@ def make_layers(vllm_config, n, *, num_heads=32, num_kv_heads=8, head_size=128, 
                 )
             )
     return layers
+
+
+def make_builder(vllm_config, layer_names, kv_heads=8, head_size=128, block_size=BLOCK, preset="tq4"):
+    """The metadata builder vLLM makes for one attention group, over our spec."""
+    from turboquant_vllm.vllm.backend import TQ4MetadataBuilder
+    from turboquant_vllm.vllm.compat import TurboQuantFullAttentionSpec
+
+    spec = TurboQuantFullAttentionSpec(
+        block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.uint8, turboquant_preset=preset
+    )
+    return TQ4MetadataBuilder(spec, layer_names, vllm_config, torch.device("cpu"))
+
+
+def make_cam(q_lens, seq_lens, num_actual_tokens=None, block_table=None, slot_mapping=None):
+    """CommonAttentionMetadata as the runners hand it over (query_start_loc on device and on CPU)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    if block_table is None:
+        width = max(math.ceil(s / BLOCK) for s in seq_lens)
+        block_table = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    total = int(qsl[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.clone(),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(q_lens),
+        num_actual_tokens=num_actual_tokens or total,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping if slot_mapping is not None else torch.zeros(total, dtype=torch.int64),
+    )
+
+
+def run_python(code: str, tmp_path: Path, extra_env: dict | None = None) -> dict:
+    """Run code in a fresh interpreter (what every vLLM process is) and return its last line as JSON."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env.update(extra_env or {})
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

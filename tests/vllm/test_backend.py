@@ -194,3 +194,7 @@ def test_impl_refuses_what_it_cannot_run(vllm_config):
             TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", sinks=torch.zeros(8))
         with pytest.raises(ValueError, match="head_dim"):
             TQ4AttentionImpl(8, 72, 0.1, 8, None, None, "auto")
+        with pytest.raises(ValueError, match="chunk_lookback"):
+            TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", chunk_lookback=512)
+        # options passed with their "off" value are fine
+        TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", chunk_lookback=-1, sinks=None)

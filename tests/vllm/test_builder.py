@@ -2,46 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from tests.vllm.conftest import make_layers
+from tests.vllm.conftest import make_builder, make_cam, make_layers
 from turboquant_vllm.kernels import default_num_splits
-from turboquant_vllm.vllm.compat import TurboQuantFullAttentionSpec
-
-BLOCK = 16
-
-
-def make_builder(vllm_config, layer_names, kv_heads=8, head_size=128, block_size=BLOCK):
-    from turboquant_vllm.vllm.backend import TQ4MetadataBuilder
-
-    spec = TurboQuantFullAttentionSpec(
-        block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.uint8, turboquant_preset="tq4"
-    )
-    return TQ4MetadataBuilder(spec, layer_names, vllm_config, torch.device("cpu"))
-
-
-def make_cam(q_lens, seq_lens, num_actual_tokens=None, block_table=None, slot_mapping=None):
-    """CommonAttentionMetadata as the runners hand it over (query_start_loc on device and on CPU)."""
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    if block_table is None:
-        width = max(math.ceil(s / BLOCK) for s in seq_lens)
-        block_table = torch.zeros(len(q_lens), width, dtype=torch.int32)
-    total = int(qsl[-1])
-    return CommonAttentionMetadata(
-        query_start_loc=qsl.clone(),
-        query_start_loc_cpu=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_reqs=len(q_lens),
-        num_actual_tokens=num_actual_tokens or total,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        block_table_tensor=block_table,
-        slot_mapping=slot_mapping if slot_mapping is not None else torch.zeros(total, dtype=torch.int64),
-    )
 
 
 @pytest.fixture

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vllm.conftest import make_layers
-from tests.vllm.test_builder import make_builder, make_cam
+from tests.vllm.conftest import make_builder, make_cam, make_layers
 from turboquant_vllm.core.reference import paged_attention_reference
 from turboquant_vllm.vllm.backend import TQ4AttentionBackend, layout_of_cache
 

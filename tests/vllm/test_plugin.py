@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-import tomllib
+import re
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.vllm.conftest import ROOT, run_python
+
 GROUP = "vllm.general_plugins"
 
 
 def declared_entry_point() -> tuple[str, str]:
-    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][GROUP]
+    """(name, target) of the one vllm.general_plugins entry point in pyproject.toml."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = re.search(r'^\[project\.entry-points\."vllm\.general_plugins"\]\n((?:[^\[\n].*\n?)*)', text, re.M)
+    assert section, "pyproject.toml declares no vllm.general_plugins entry point"
+    eps = re.findall(r'^\s*([\w.-]+)\s*=\s*"([^"]+)"', section.group(1), re.M)
     assert len(eps) == 1, eps
-    return next(iter(eps.items()))
+    return eps[0]
 
 
 def test_entry_point_is_declared():
@@ -52,18 +52,6 @@ def test_register_refuses_an_unknown_preset(monkeypatch):
     monkeypatch.setenv("TURBOQUANT_PRESET", "tq7")
     with pytest.raises(ValueError, match="TURBOQUANT_PRESET.*tq4"):
         plugin.register()
-
-
-def run_python(code: str, tmp_path: Path, extra_env: dict | None = None) -> dict:
-    """Run code in a fresh interpreter (what every vLLM process is) and return its JSON line."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env.update(extra_env or {})
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def fake_distribution(tmp_path: Path) -> None:

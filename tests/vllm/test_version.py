@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.test_plugin import run_python
+from tests.vllm.conftest import run_python
 from turboquant_vllm.vllm import compat
 
 

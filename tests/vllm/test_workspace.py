@@ -7,8 +7,7 @@ import pytest
 import torch
 from vllm.utils.math_utils import round_up
 
-from tests.vllm.conftest import make_layers, workspace_bytes
-from tests.vllm.test_builder import make_builder, make_cam
+from tests.vllm.conftest import make_builder, make_cam, make_layers, workspace_bytes
 from turboquant_vllm.kernels import attention_workspace_shape, default_num_splits
 from turboquant_vllm.vllm.backend import max_workspace_elems, workspace_elems
 

@@ -234,7 +234,7 @@ def paged_attention(
     softcap: float | None = None,
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int = 128,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out."""

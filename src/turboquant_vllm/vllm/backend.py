@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..core.layout import MAX_HEAD_DIM, MIN_HEAD_DIM, CacheLayout
-from ..core.presets import Preset
+from ..core.presets import DEFAULT_PRESET, Preset, get_preset
 from . import compat, logger, resolve_preset
 from .compat import (
     AttentionBackend,
@@ -184,7 +184,9 @@ def _explain(reason: str, cfg: dict[str, Any]) -> str:
             f"needs an NVIDIA GPU of compute capability {MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10}"
             f" or newer; {_WAY_OUT}"
         ),
-        "non-causal attention not supported": f"non-causal (bidirectional) decoder attention is not supported; {_WAY_OUT}",
+        "non-causal attention not supported": (
+            f"non-causal (bidirectional) decoder attention is not supported; {_WAY_OUT}"
+        ),
         "batch invariance not supported": "VLLM_BATCH_INVARIANT=1 is not supported; unset it",
         "KV connector not supported": (
             "KV connectors (--kv-transfer-config) are not supported: they move uncompressed pages; drop the option"
@@ -250,8 +252,9 @@ class TQ4AttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
+        # The head-size constraint is the layout's and the same for every preset.
         try:
-            CacheLayout(process_preset(), head_size, 1, KERNEL_BLOCK_MULTIPLE)
+            CacheLayout(get_preset(DEFAULT_PRESET), head_size, 1, KERNEL_BLOCK_MULTIPLE)
         except ValueError:
             return False
         return True
@@ -428,6 +431,12 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
             raise ValueError(f"TurboQuant does not support ALiBi; {_WAY_OUT}")
         if extra.get("sinks") is not None:
             raise ValueError(f"TurboQuant does not support attention sinks; {_WAY_OUT}")
+        off = {"chunk_lookback": -1}  # options some models pass with their "disabled" value
+        unknown = sorted(
+            k for k, v in extra.items() if v is not None and v is not False and off.get(k, object()) != v
+        )
+        if unknown:  # a model asking for attention features we would silently ignore
+            raise ValueError(f"TurboQuant does not support the attention option(s) {unknown}; {_WAY_OUT}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
