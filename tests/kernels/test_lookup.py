@@ -21,9 +21,10 @@ def _decode(packed_ptr, even_ptr, odd_ptr, ASM: tl.constexpr, N: tl.constexpr):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_nibble_asm_matches_code_table(head_dim):
     """The byte-permute lookup returns exactly the fp16 table value of every 4-bit code."""
-    codes = torch.randint(0, 16, (4096, 2), dtype=torch.int32, generator=torch.Generator().manual_seed(head_dim))
-    codes[:16, 0] = torch.arange(16)  # every code at least once
-    packed = pack_codes(codes, 4).view(-1).cuda()
+    codes = torch.randint(0, 16, (512, 16), dtype=torch.int32, generator=torch.Generator().manual_seed(head_dim))
+    codes[0] = torch.arange(16)  # every code at least once
+    packed = pack_codes(codes, 4).view(-1).cuda()  # byte j: codes 2j (low nibble) and 2j+1 (high nibble)
+    codes = codes.view(-1, 2)
     even = torch.full((4096,), float("nan"), dtype=torch.float16, device="cuda")
     odd = torch.full_like(even, float("nan"))
     c = _constants(4, 4, head_dim, torch.device("cuda"))
