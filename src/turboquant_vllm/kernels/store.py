@@ -11,41 +11,51 @@ import triton
 import triton.language as tl
 
 from ..core.layout import CacheLayout
-from ..core.quantizer import Quantizer
 from .common import check_dtype, codes_to_plane_bytes, next_pow2
 from .constants import kernel_constants
 
 
 @triton.jit
+def _store_plane(cache_ptr, base, valid, code, chunk, PLANE_START: tl.constexpr, WIDTH: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Pack one chunk of CHUNK coordinates' codes (< 2^WIDTH) and store them at their bytes of the plane."""
+    packed = codes_to_plane_bytes(code, BLOCK_T, CHUNK, WIDTH)
+    j = tl.arange(0, CHUNK * WIDTH // 8)
+    first = chunk * CHUNK * WIDTH // 8 + j  # byte index within the plane
+    tl.store(cache_ptr + base[:, None] + PLANE_START + first[None, :], packed,
+             mask=valid[:, None] & (first[None, :] < HEAD_DIM * WIDTH // 8))
+
+
+@triton.jit
 def _quantize_and_store(
-    src_ptr, stride_t, stride_h, cache_ptr, page_base, slot_off, valid, rot_t, bounds_ptr,
-    head, tok, dims,
+    src_ptr, stride_t, stride_h, cache_ptr, page_base, slot_off, valid, rot_ptr, bounds_ptr, head, tok,
     BITS: tl.constexpr, CODE_BYTES: tl.constexpr, CODE_OFF: tl.constexpr, NORM_OFF: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    dims = tl.arange(0, D_PAD)
     x = tl.load(src_ptr + tok[:, None] * stride_t + head * stride_h + dims[None, :],
                 mask=valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
     norm = tl.sqrt(tl.sum(x * x, axis=1))
-    rotated = tl.dot(x, rot_t, input_precision="ieee")
-    y = rotated / tl.where(norm > 0, norm, 1.0)[:, None]  # a zero vector keeps y = 0
-    # Sign-magnitude code: top bit = sign, low bits = number of magnitude boundaries below |y|.
-    mag = tl.zeros((BLOCK_T, D_PAD), dtype=tl.int32)
-    for i in tl.static_range((1 << (BITS - 1)) - 1):
-        mag += (tl.abs(y) > tl.load(bounds_ptr + i)).to(tl.int32)
-    code = ((y < 0).to(tl.int32) << (BITS - 1)) | mag
+    inv = tl.where(norm > 0, norm, 1.0)[:, None]  # a zero vector keeps y = 0
     base = page_base + CODE_OFF + slot_off * CODE_BYTES  # (BLOCK_T,)
-    if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
-        lo = codes_to_plane_bytes(code & 3, BLOCK_T, D_PAD, 2)
-        jl = tl.arange(0, D_PAD // 4)
-        tl.store(cache_ptr + base[:, None] + jl[None, :], lo, mask=valid[:, None] & (jl[None, :] < HEAD_DIM // 4))
-        hi = codes_to_plane_bytes(code >> 2, BLOCK_T, D_PAD, 1)
-        jh = tl.arange(0, D_PAD // 8)
-        tl.store(cache_ptr + base[:, None] + HEAD_DIM // 4 + jh[None, :], hi,
-                 mask=valid[:, None] & (jh[None, :] < HEAD_DIM // 8))
-    else:
-        packed = codes_to_plane_bytes(code, BLOCK_T, D_PAD, BITS)
-        j = tl.arange(0, D_PAD * BITS // 8)
-        tl.store(cache_ptr + base[:, None] + j[None, :], packed, mask=valid[:, None] & (j[None, :] < CODE_BYTES))
+    # Rotate 32 output coordinates at a time: a (D_PAD, 32) slice of R^T stays in registers.
+    CHUNK: tl.constexpr = 32
+    for chunk in tl.static_range(D_PAD // CHUNK):
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        # rot_t[i, j] = R[j, i], so x @ rot_t = (R x) for row vectors x
+        rot_t = tl.load(rot_ptr + cols[None, :] * HEAD_DIM + dims[:, None],
+                        mask=(dims[:, None] < HEAD_DIM) & (cols[None, :] < HEAD_DIM), other=0.0)
+        y = tl.dot(x, rot_t, input_precision="ieee") / inv
+        # Sign-magnitude code: top bit = sign, low bits = number of magnitude boundaries below |y|.
+        mag = tl.zeros((BLOCK_T, CHUNK), dtype=tl.int32)
+        for i in tl.static_range((1 << (BITS - 1)) - 1):
+            mag += (tl.abs(y) > tl.load(bounds_ptr + i)).to(tl.int32)
+        code = ((y < 0).to(tl.int32) << (BITS - 1)) | mag
+        if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
+            _store_plane(cache_ptr, base, valid, code & 3, chunk, 0, 2, HEAD_DIM, CHUNK, BLOCK_T)
+            _store_plane(cache_ptr, base, valid, code >> 2, chunk, HEAD_DIM // 4, 1, HEAD_DIM, CHUNK, BLOCK_T)
+        else:
+            _store_plane(cache_ptr, base, valid, code, chunk, 0, BITS, HEAD_DIM, CHUNK, BLOCK_T)
     norm_ptr = (cache_ptr + page_base + NORM_OFF + slot_off * 4).to(tl.pointer_type(tl.float32))
     tl.store(norm_ptr, norm, mask=valid)
 
@@ -65,18 +75,13 @@ def _store_kv_kernel(
     safe = tl.where(valid, slot, 0)
     page_base = (safe // BLOCK_SIZE) * stride_cblock + head * stride_chead
     slot_off = safe % BLOCK_SIZE
-    dims = tl.arange(0, D_PAD)
-    # rot_t[i, j] = R[j, i], so x @ rot_t = (R x) for row vectors x
-    rmask = (dims[:, None] < HEAD_DIM) & (dims[None, :] < HEAD_DIM)
-    rot_t = tl.load(rot_ptr + dims[None, :] * HEAD_DIM + dims[:, None], mask=rmask, other=0.0)
     if tl.program_id(2) == 0:
-        _quantize_and_store(key_ptr, stride_kt, stride_kh, cache_ptr, page_base, slot_off, valid, rot_t,
-                            k_bounds_ptr, head, tok, dims, K_BITS, K_CODE_BYTES, 0, K_NORM_OFF,
-                            HEAD_DIM, D_PAD, BLOCK_T)
+        _quantize_and_store(key_ptr, stride_kt, stride_kh, cache_ptr, page_base, slot_off, valid, rot_ptr,
+                            k_bounds_ptr, head, tok, K_BITS, K_CODE_BYTES, 0, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T)
     else:
-        _quantize_and_store(value_ptr, stride_vt, stride_vh, cache_ptr, page_base, slot_off, valid, rot_t,
-                            v_bounds_ptr, head, tok, dims, V_BITS, V_CODE_BYTES, V_CODE_OFF, V_NORM_OFF,
-                            HEAD_DIM, D_PAD, BLOCK_T)
+        _quantize_and_store(value_ptr, stride_vt, stride_vh, cache_ptr, page_base, slot_off, valid, rot_ptr,
+                            v_bounds_ptr, head, tok, V_BITS, V_CODE_BYTES, V_CODE_OFF, V_NORM_OFF, HEAD_DIM, D_PAD,
+                            BLOCK_T)
 
 
 def check_cache(kv_cache: torch.Tensor, layout: CacheLayout) -> None:
@@ -107,7 +112,7 @@ def store_kv(
     if num_tokens == 0:
         return
     c = kernel_constants(layout, key.device)
-    block_t = 16 if num_tokens <= 16 else 32
+    block_t = 16  # small tiles: a decode step's few tokens still spread over many programs
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
     _store_kv_kernel[grid](
         key, value, kv_cache, slot_mapping, c.rotation, c.key_boundaries, c.value_boundaries,

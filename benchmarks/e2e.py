@@ -1,0 +1,143 @@
+"""vLLM end to end: KV tokens that fit, decode and prefill throughput, for each KV cache, side by side.
+
+A Llama-shaped model with random weights (16 layers, hidden 2048, 16 query / 4 KV heads,
+head_dim 128), gpu_memory_utilization 0.85, full CUDA graphs for decode, no prefix caching.
+Decode tok/s = requests x (generated - 1) / (time of the full run - time of a prefill-only run).
+Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
+
+    python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768]
+Writes benchmarks/results/e2e.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+MODEL = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=5632,
+    num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
+    max_position_embeddings=40960, rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="bfloat16",
+    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+)
+# kv name -> (attention backend, kv_cache_dtype, extra environment)
+KV = {
+    "bf16": ("FLASH_ATTN", "auto", {}),
+    "fp8": ("FLASH_ATTN", "fp8", {}),
+    "turboquant_4bit_nc": (None, "turboquant_4bit_nc", {}),
+    "turboquant_3bit_nc": (None, "turboquant_3bit_nc", {}),
+    "tq4": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "tq4"}),
+    "tq3": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "tq3"}),
+}
+GENERATED = 128
+
+
+def engine(kv: str, model_dir: str, runs: list[tuple[int, int]]) -> dict:
+    """Runs inside a fresh process: one engine, every measurement for this KV cache."""
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    backend, dtype, _ = KV[kv]
+    longest = max(c for _, c in runs)
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=longest + GENERATED + 8,
+              gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, kv_cache_dtype=dtype,
+              max_num_seqs=max(b for b, _ in runs),
+              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+              **({"attention_config": {"backend": backend}} if backend else {}))
+    cache = llm.llm_engine.vllm_config.cache_config
+    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size}
+    rng = random.Random(0)
+    for batch, context in runs:
+        prompts = [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(context)]} for _ in range(batch)]
+
+        def timed(max_tokens: int) -> float:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+            return time.perf_counter() - t0
+
+        timed(1)  # warm-up
+        prefill = timed(1)
+        full = timed(GENERATED)
+        row[f"decode_tok_s_{batch}x{context // 1024}k"] = batch * (GENERATED - 1) / (full - prefill)
+        row[f"prefill_tok_s_{batch}x{context // 1024}k"] = batch * context / prefill
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--kv", default=",".join(KV))
+    ap.add_argument("--runs", default="64x8192,32x32768")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
+    if args.child:
+        kv, model_dir = args.child.split(":", 1)
+        print("E2E_ROW " + json.dumps(engine(kv, model_dir, runs)), flush=True)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(MODEL))
+        for kv in args.kv.split(","):
+            env = dict(os.environ, **KV[kv][2])
+            proc = subprocess.run([sys.executable, __file__, "--runs", args.runs, "--child", f"{kv}:{model_dir}"],
+                                  env=env, capture_output=True, text=True)
+            (out / f"e2e_{kv}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+            found = [line for line in proc.stdout.splitlines() if line.startswith("E2E_ROW ")]
+            if not found:
+                print(f"{kv}: failed (rc {proc.returncode}); see {out / f'e2e_{kv}.log'}")
+                continue
+            rows.append(json.loads(found[-1][len("E2E_ROW "):]))
+            print(rows[-1], flush=True)
+    write(rows, out, args.runs)
+
+
+def write(rows: list[dict], out: Path, runs: str) -> None:
+    base = next((r for r in rows if r["kv"] == "bf16"), None)
+    for r in rows:  # the issue's schema: prefill_tok_s is the 64 x 8k prefill figure
+        r.setdefault("decode_tok_s_64x8k", None)
+        r.setdefault("decode_tok_s_32x32k", None)
+        r["prefill_tok_s"] = r.get("prefill_tok_s_64x8k")
+        if base:
+            r["kv_tokens_vs_bf16"] = r["kv_tokens"] / base["kv_tokens"]
+    meta = dict(model=MODEL, runs=runs, generated=GENERATED, command="python benchmarks/e2e.py")
+    (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
+    lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | prefill tok/s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['kv']} | {r['kv_tokens']:,} | {fmt(r.get('kv_tokens_vs_bf16'), '.2f')}x | "
+                     f"{fmt(r['decode_tok_s_64x8k'], ',.0f')} | {fmt(r['decode_tok_s_32x32k'], ',.0f')} | "
+                     f"{fmt(r['prefill_tok_s'], ',.0f')} |")
+    (out / "e2e.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    names = [r["kv"] for r in rows]
+    for ax, key, title in zip(axes, ["kv_tokens", "decode_tok_s_64x8k", "decode_tok_s_32x32k"],
+                              ["KV tokens that fit", "decode tok/s, 64 x 8k", "decode tok/s, 32 x 32k"]):
+        ax.bar(names, [r[key] or 0 for r in rows])
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(out / "e2e.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
