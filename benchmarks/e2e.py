@@ -101,7 +101,7 @@ def main() -> None:
                 continue
             rows.append(json.loads(found[-1][len("E2E_ROW "):]))
             print(rows[-1], flush=True)
-    write(rows, out, args.runs)
+            write(rows, out, args.runs)  # after every row: a cut-off run keeps what it measured
 
 
 def write(rows: list[dict], out: Path, runs: str) -> None:
