@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--kv", default=",".join(KV))
     ap.add_argument("--runs", default="64x8192,32x32768")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in e2e.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
@@ -88,6 +89,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    if args.merge and (out / "e2e.json").exists():  # keep the other KV caches' rows of an earlier call
+        rows = [r for r in json.loads((out / "e2e.json").read_text())["rows"] if r["kv"] not in args.kv.split(",")]
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(MODEL))
         for kv in args.kv.split(","):

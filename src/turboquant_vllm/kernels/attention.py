@@ -15,52 +15,17 @@ than one split, partial results go to a workspace and a second launch merges the
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..core.layout import CacheLayout
-from .common import check_dtype, next_pow2, plane_bytes_to_codes
+from .common import INTERPRETED, check_dtype, load_halves, next_pow2
 from .constants import kernel_constants
 from .store import check_cache
 
 NUM_SMS_DEFAULT = 132
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
-                 BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values of BLOCK_N records at rec_base, as (even coordinates, odd coordinates), fp16 (BLOCK_N, D_PAD/2)."""
-    DH: tl.constexpr = D_PAD // 2
-    if BITS == 4:  # byte j holds coordinates 2j (low nibble) and 2j+1 (high nibble)
-        j = tl.arange(0, DH)
-        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=valid[:, None] & (j[None, :] < HEAD_DIM // 2),
-                         other=0)
-        if ASM != "":
-            even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
-                                                  is_pure=True, pack=4)
-        else:
-            even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
-            odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
-        return even, odd
-    if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
-        jl = tl.arange(0, D_PAD // 4)
-        lo = tl.load(cache_ptr + rec_base[:, None] + jl[None, :], mask=valid[:, None] & (jl[None, :] < HEAD_DIM // 4),
-                     other=0)
-        jh = tl.arange(0, D_PAD // 8)
-        hi = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM // 4 + jh[None, :],
-                     mask=valid[:, None] & (jh[None, :] < HEAD_DIM // 8), other=0)
-        code = plane_bytes_to_codes(lo, BLOCK_N, D_PAD // 4, 2) | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << 2)
-    else:
-        j = tl.arange(0, D_PAD * BITS // 8)
-        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :],
-                         mask=valid[:, None] & (j[None, :] < HEAD_DIM * BITS // 8), other=0)
-        code = plane_bytes_to_codes(packed, BLOCK_N, D_PAD * BITS // 8, BITS)
-    values = tl.load(lut_ptr + code)
-    return tl.split(tl.reshape(values, (BLOCK_N, DH, 2)))
 
 
 @triton.jit
@@ -145,7 +110,7 @@ def _attention_kernel(
         phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         page = phys * stride_cblock + kv_head * stride_chead
         off = n % BLOCK_SIZE
-        k_even, k_odd = _load_halves(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, ASM, K_BITS, HEAD_DIM,
+        k_even, k_odd = load_halves(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, ASM, K_BITS, HEAD_DIM,
                                      D_PAD, BLOCK_N)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
@@ -162,7 +127,7 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_even, v_odd = _load_halves(cache_ptr, page + V_CODE_OFF + off * V_CODE_BYTES, n_ok, v_lut_ptr, ASM, V_BITS,
+        v_even, v_odd = load_halves(cache_ptr, page + V_CODE_OFF + off * V_CODE_BYTES, n_ok, v_lut_ptr, ASM, V_BITS,
                                      HEAD_DIM, D_PAD, BLOCK_N)
         v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)

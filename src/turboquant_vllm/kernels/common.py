@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# Triton's CPU interpreter runs no inline PTX and mis-multiplies half-precision MMA operands.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -65,6 +69,39 @@ def nibble_lookup_asm(magnitudes_fp16: list[int]) -> str:
     prmt.b32 $3, lb, hb, 0x7351;
     lop3.b32 $3, $3, s3, msk, 0x78;
 }}"""
+
+
+@triton.jit
+def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
+                 BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Values of BLOCK_N records at rec_base, as (even coordinates, odd coordinates), fp16 (BLOCK_N, D_PAD/2)."""
+    DH: tl.constexpr = D_PAD // 2
+    if BITS == 4:  # byte j holds coordinates 2j (low nibble) and 2j+1 (high nibble)
+        j = tl.arange(0, DH)
+        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=valid[:, None] & (j[None, :] < HEAD_DIM // 2),
+                         other=0)
+        if ASM != "":
+            even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
+                                                  is_pure=True, pack=4)
+        else:
+            even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
+            odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
+        return even, odd
+    if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
+        jl = tl.arange(0, D_PAD // 4)
+        lo = tl.load(cache_ptr + rec_base[:, None] + jl[None, :], mask=valid[:, None] & (jl[None, :] < HEAD_DIM // 4),
+                     other=0)
+        jh = tl.arange(0, D_PAD // 8)
+        hi = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM // 4 + jh[None, :],
+                     mask=valid[:, None] & (jh[None, :] < HEAD_DIM // 8), other=0)
+        code = plane_bytes_to_codes(lo, BLOCK_N, D_PAD // 4, 2) | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << 2)
+    else:
+        j = tl.arange(0, D_PAD * BITS // 8)
+        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :],
+                         mask=valid[:, None] & (j[None, :] < HEAD_DIM * BITS // 8), other=0)
+        code = plane_bytes_to_codes(packed, BLOCK_N, D_PAD * BITS // 8, BITS)
+    values = tl.load(lut_ptr + code)
+    return tl.split(tl.reshape(values, (BLOCK_N, DH, 2)))
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Store kernel: rotate, normalize, quantize and pack new keys/values into the paged cache.
+"""Store: rotate, normalize, quantize and pack new keys/values into the paged cache.
 
 Reference: turboquant_vllm.core.reference.store_kv_reference (bit-exact up to fp32 rounding of
 the rotation). One launch writes K and V: grid axis 2 picks which.
@@ -16,56 +16,50 @@ from .constants import kernel_constants
 
 
 @triton.jit
-def _store_plane(cache_ptr, base, valid, code, chunk, PLANE_START: tl.constexpr, WIDTH: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Pack one chunk of CHUNK coordinates' codes (< 2^WIDTH) and store them at their bytes of the plane."""
-    packed = codes_to_plane_bytes(code, BLOCK_T, CHUNK, WIDTH)
-    j = tl.arange(0, CHUNK * WIDTH // 8)
-    first = chunk * CHUNK * WIDTH // 8 + j  # byte index within the plane
-    tl.store(cache_ptr + base[:, None] + PLANE_START + first[None, :], packed,
-             mask=valid[:, None] & (first[None, :] < HEAD_DIM * WIDTH // 8))
+def _store_plane(cache_ptr, base, valid, code, PLANE_START: tl.constexpr, WIDTH: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Pack the codes (< 2^WIDTH) of BLOCK_T records and store them at their plane's bytes."""
+    packed = codes_to_plane_bytes(code, BLOCK_T, D_PAD, WIDTH)
+    j = tl.arange(0, D_PAD * WIDTH // 8)
+    tl.store(cache_ptr + base[:, None] + PLANE_START + j[None, :], packed,
+             mask=valid[:, None] & (j[None, :] < HEAD_DIM * WIDTH // 8))
 
 
 @triton.jit
 def _quantize_and_store(
-    src_ptr, stride_t, stride_h, cache_ptr, page_base, slot_off, valid, rot_ptr, bounds_ptr, head, tok,
+    src_ptr, stride_t, stride_h, rot_ptr, cache_ptr, page_base, slot_off, valid, bounds_ptr, head, tok,
     BITS: tl.constexpr, CODE_BYTES: tl.constexpr, CODE_OFF: tl.constexpr, NORM_OFF: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
     dims = tl.arange(0, D_PAD)
-    x = tl.load(src_ptr + tok[:, None] * stride_t + head * stride_h + dims[None, :],
-                mask=valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    d_ok = valid[:, None] & (dims[None, :] < HEAD_DIM)
+    x = tl.load(src_ptr + tok[:, None] * stride_t + head * stride_h + dims[None, :], mask=d_ok, other=0.0)
+    x = x.to(tl.float32)
     norm = tl.sqrt(tl.sum(x * x, axis=1))
-    inv = tl.where(norm > 0, norm, 1.0)[:, None]  # a zero vector keeps y = 0
+    rotated = tl.load(rot_ptr + (tok[:, None] * NUM_HEADS + head) * HEAD_DIM + dims[None, :], mask=d_ok, other=0.0)
+    y = rotated / tl.where(norm > 0, norm, 1.0)[:, None]  # a zero vector keeps y = 0
+    # Sign-magnitude code: top bit = sign, low bits = number of magnitude boundaries below |y|.
+    mag = tl.zeros((BLOCK_T, D_PAD), dtype=tl.int32)
+    for i in tl.static_range((1 << (BITS - 1)) - 1):
+        mag += (tl.abs(y) > tl.load(bounds_ptr + i)).to(tl.int32)
+    code = ((y < 0).to(tl.int32) << (BITS - 1)) | mag
     base = page_base + CODE_OFF + slot_off * CODE_BYTES  # (BLOCK_T,)
-    # Rotate 32 output coordinates at a time: a (D_PAD, 32) slice of R^T stays in registers.
-    CHUNK: tl.constexpr = 32
-    for chunk in tl.static_range(D_PAD // CHUNK):
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        # rot_t[i, j] = R[j, i], so x @ rot_t = (R x) for row vectors x
-        rot_t = tl.load(rot_ptr + cols[None, :] * HEAD_DIM + dims[:, None],
-                        mask=(dims[:, None] < HEAD_DIM) & (cols[None, :] < HEAD_DIM), other=0.0)
-        y = tl.dot(x, rot_t, input_precision="ieee") / inv
-        # Sign-magnitude code: top bit = sign, low bits = number of magnitude boundaries below |y|.
-        mag = tl.zeros((BLOCK_T, CHUNK), dtype=tl.int32)
-        for i in tl.static_range((1 << (BITS - 1)) - 1):
-            mag += (tl.abs(y) > tl.load(bounds_ptr + i)).to(tl.int32)
-        code = ((y < 0).to(tl.int32) << (BITS - 1)) | mag
-        if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
-            _store_plane(cache_ptr, base, valid, code & 3, chunk, 0, 2, HEAD_DIM, CHUNK, BLOCK_T)
-            _store_plane(cache_ptr, base, valid, code >> 2, chunk, HEAD_DIM // 4, 1, HEAD_DIM, CHUNK, BLOCK_T)
-        else:
-            _store_plane(cache_ptr, base, valid, code, chunk, 0, BITS, HEAD_DIM, CHUNK, BLOCK_T)
+    if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
+        _store_plane(cache_ptr, base, valid, code & 3, 0, 2, HEAD_DIM, D_PAD, BLOCK_T)
+        _store_plane(cache_ptr, base, valid, code >> 2, HEAD_DIM // 4, 1, HEAD_DIM, D_PAD, BLOCK_T)
+    else:
+        _store_plane(cache_ptr, base, valid, code, 0, BITS, HEAD_DIM, D_PAD, BLOCK_T)
     norm_ptr = (cache_ptr + page_base + NORM_OFF + slot_off * 4).to(tl.pointer_type(tl.float32))
     tl.store(norm_ptr, norm, mask=valid)
 
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_ptr, rot_ptr, k_bounds_ptr, v_bounds_ptr,
+    key_ptr, value_ptr, rot_ptr, cache_ptr, slot_ptr, k_bounds_ptr, v_bounds_ptr,
     num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_cblock, stride_chead,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
+    NUM_HEADS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
 ):
     head = tl.program_id(1)
@@ -76,12 +70,13 @@ def _store_kv_kernel(
     page_base = (safe // BLOCK_SIZE) * stride_cblock + head * stride_chead
     slot_off = safe % BLOCK_SIZE
     if tl.program_id(2) == 0:
-        _quantize_and_store(key_ptr, stride_kt, stride_kh, cache_ptr, page_base, slot_off, valid, rot_ptr,
-                            k_bounds_ptr, head, tok, K_BITS, K_CODE_BYTES, 0, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T)
+        _quantize_and_store(key_ptr, stride_kt, stride_kh, rot_ptr, cache_ptr, page_base, slot_off, valid,
+                            k_bounds_ptr, head, tok, K_BITS, K_CODE_BYTES, 0, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T,
+                            NUM_HEADS)
     else:
-        _quantize_and_store(value_ptr, stride_vt, stride_vh, cache_ptr, page_base, slot_off, valid, rot_ptr,
-                            v_bounds_ptr, head, tok, V_BITS, V_CODE_BYTES, V_CODE_OFF, V_NORM_OFF, HEAD_DIM, D_PAD,
-                            BLOCK_T)
+        _quantize_and_store(value_ptr, stride_vt, stride_vh, rot_ptr + num_tokens * NUM_HEADS * HEAD_DIM, cache_ptr,
+                            page_base, slot_off, valid, v_bounds_ptr, head, tok, V_BITS, V_CODE_BYTES, V_CODE_OFF,
+                            V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, NUM_HEADS)
 
 
 def check_cache(kv_cache: torch.Tensor, layout: CacheLayout) -> None:
@@ -112,14 +107,17 @@ def store_kv(
     if num_tokens == 0:
         return
     c = kernel_constants(layout, key.device)
+    # The rotation is one fp32 GEMM for K and V together, the same product the reference computes;
+    # the kernel then normalizes, quantizes, packs and scatters into the pages.
+    rotated = torch.stack((key, value)).float() @ c.rotation.T  # (2, tokens, kv_heads, head_dim)
     block_t = 16  # small tiles: a decode step's few tokens still spread over many programs
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
     _store_kv_kernel[grid](
-        key, value, kv_cache, slot_mapping, c.rotation, c.key_boundaries, c.value_boundaries,
+        key, value, rotated, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_T=block_t, BLOCK_SIZE=layout.block_size,
-        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
+        NUM_HEADS=layout.num_kv_heads, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
         K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
         num_warps=4,

@@ -50,6 +50,33 @@ _process_preset: Preset | None = None
 _logged: set[tuple[str, int]] = set()
 
 
+# From this many prefill tokens in a step, expanding the context once and running FlashAttention
+# beats re-decoding the compressed context for every tile of query tokens.
+DENSE_PREFILL_MIN_TOKENS = 256
+
+
+def dense_prefill_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, layout: CacheLayout, block_table: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_k: torch.Tensor, *, total_k: int,
+    max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None, softcap: float | None,
+    out: torch.Tensor,
+) -> None:
+    """Attention over the compressed pages for long prefills: expand the sequences' context once
+    (exact cache values, rotated basis), then FlashAttention; the same result as paged_attention."""
+    from ..kernels import dequantize_pages
+    from ..kernels.constants import kernel_constants
+
+    flash, version = compat.flash_attn_varlen()
+    rotation = kernel_constants(layout, query.device).rotation
+    k, v = dequantize_pages(kv_cache, layout, block_table, seq_lens, cu_seqlens_k, total_k, max_seq_len, query.dtype)
+    q = (query.float() @ rotation.T).to(query.dtype)
+    window = [sliding_window - 1, 0] if sliding_window else [-1, -1]
+    o = flash(q, k, v, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc, max_seqlen_k=max_seq_len,
+              cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=True, window_size=window,
+              softcap=softcap or 0.0, fa_version=version)
+    out.copy_((o.float() @ rotation).to(out.dtype))
+
+
 def process_preset(vllm_config: Any | None = None) -> Preset:
     global _process_preset
     if vllm_config is None:
@@ -318,6 +345,11 @@ class TQ4Metadata(AttentionMetadata):
 
     workspace: torch.Tensor | None  # view of vLLM's shared workspace (fp32), None without one
 
+    # Long prefills: the prefill part's context, expanded once and attended by FlashAttention.
+    prefill_cu_seqlens_k: torch.Tensor | None = None  # (num_prefills + 1,) int32, None: paged kernel
+    prefill_total_k: int = 0
+    prefill_max_seq_len: int = 0
+
 
 class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
     # Uniform batches (all decodes, or all speculative verifications of one length) may be
@@ -328,6 +360,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         compat.check_builder_spec(kv_cache_spec, layer_names)
         self.preset = process_preset(vllm_config)
+        self.dense_prefill = compat.flash_attn_varlen() is not None
         self.head_dim = kv_cache_spec.head_size
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.num_q_heads = compat.num_q_heads_of_layers(vllm_config, layer_names)
@@ -377,6 +410,16 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
                 prefill_seq_lens = seq_lens[num_decodes:num_reqs]
                 prefill_bt = block_table[num_decodes:num_reqs]
 
+        dense = {}
+        if num_prefills and self.dense_prefill and num_prefill_tokens >= DENSE_PREFILL_MIN_TOKENS:
+            # Precise on prefill rows; prefill batches are never captured, so reading it is fine.
+            lens_cpu = cam.seq_lens_cpu_upper_bound
+            lens_cpu = (lens_cpu if lens_cpu is not None else seq_lens.cpu())[num_decodes:num_reqs]
+            cu = torch.zeros(num_prefills + 1, dtype=torch.int32)
+            torch.cumsum(lens_cpu, 0, out=cu[1:])
+            dense = dict(prefill_cu_seqlens_k=cu.to(seq_lens.device, non_blocking=True),
+                         prefill_total_k=int(cu[-1]), prefill_max_seq_len=int(lens_cpu.max()))
+
         workspace = None
         manager = compat.workspace_manager()
         if manager is not None:
@@ -404,6 +447,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
             decode_seq_lens=decode_seq_lens,
             decode_block_table=decode_bt,
             workspace=workspace,
+            **dense,
         )
 
 
@@ -509,7 +553,14 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
                 query[:nd], kv_cache, layout, md.decode_block_table, md.decode_query_start_loc, md.decode_seq_lens,
                 max_query_len=1, out=output[:nd], num_splits=md.decode_num_splits, **common,
             )
-        if md.num_prefills:
+        if md.num_prefills and md.prefill_cu_seqlens_k is not None:
+            lo, hi = md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
+            dense_prefill_attention(
+                query[lo:hi], kv_cache, layout, md.prefill_block_table, md.prefill_query_start_loc,
+                md.prefill_seq_lens, md.prefill_cu_seqlens_k, total_k=md.prefill_total_k,
+                max_query_len=md.prefill_max_query_len, max_seq_len=md.prefill_max_seq_len, scale=self.scale,
+                sliding_window=self.sliding_window, softcap=self.softcap, out=output[lo:hi])
+        elif md.num_prefills:
             lo, hi = md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
             paged_attention(
                 query[lo:hi], kv_cache, layout, md.prefill_block_table, md.prefill_query_start_loc,

@@ -143,6 +143,21 @@ def workspace_manager() -> Any | None:
     return current_workspace_manager() if is_workspace_manager_initialized() else None
 
 
+def flash_attn_varlen() -> tuple[Any, int] | None:
+    """vLLM's FlashAttention varlen function and version, or None where it cannot run (no CUDA, no build)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    version = get_flash_attn_version()
+    return (flash_attn_varlen_func, version) if version else None
+
+
 def num_compute_units() -> int | None:
     """SMs of the current CUDA device, or None without one."""
     if not torch.cuda.is_available():

@@ -1,0 +1,97 @@
+"""Dequantize the pages of some sequences into contiguous K/V in the rotated basis.
+
+Reference: turboquant_vllm.core.reference.read_kv_reference(..., rotated=True).
+
+Long prefills are compute-bound: there it pays to expand the compressed context once per
+step and hand it to a dense attention kernel (the vLLM backend uses FlashAttention), instead
+of re-decoding the codes for every tile of query tokens. The values are exactly the cache's
+(table value x norm, in the rotated basis), so results match attention over the pages.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.layout import CacheLayout
+from .common import INTERPRETED, check_dtype, load_halves, next_pow2
+from .constants import kernel_constants
+from .store import check_cache
+
+
+@triton.jit
+def _expand(cache_ptr, page, off, n_ok, lut_ptr, out_ptr, row, head, stride_ot, stride_oh, ASM: tl.constexpr,
+            BITS: tl.constexpr, CODE_OFF: tl.constexpr, CODE_BYTES: tl.constexpr, NORM_OFF: tl.constexpr,
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    even_vals, odd_vals = load_halves(cache_ptr, page + CODE_OFF + off * CODE_BYTES, n_ok, lut_ptr, ASM, BITS,
+                                      HEAD_DIM, D_PAD, BLOCK_N)
+    norm = tl.load((cache_ptr + page + NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+    even = 2 * tl.arange(0, D_PAD // 2)
+    dst = out_ptr + row[:, None] * stride_ot + head * stride_oh + even[None, :]
+    ok = n_ok[:, None] & (even[None, :] < HEAD_DIM)
+    tl.store(dst, (even_vals.to(tl.float32) * norm[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + 1, (odd_vals.to(tl.float32) * norm[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dequant_kernel(
+    cache_ptr, block_table_ptr, seq_lens_ptr, cu_k_ptr, k_lut_ptr, v_lut_ptr, k_out_ptr, v_out_ptr,
+    stride_bt, stride_cblock, stride_chead, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
+    K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr, ASM: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if tile * BLOCK_N >= seq_len:
+        return
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < seq_len
+    phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    page = phys * stride_cblock + head * stride_chead
+    off = n % BLOCK_SIZE
+    row = tl.load(cu_k_ptr + seq) + n
+    _expand(cache_ptr, page, off, n_ok, k_lut_ptr, k_out_ptr, row, head, stride_ot, stride_oh, ASM, K_BITS, 0,
+            K_CODE_BYTES, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N)
+    _expand(cache_ptr, page, off, n_ok, v_lut_ptr, v_out_ptr, row, head, stride_ot, stride_oh, ASM, V_BITS,
+            V_CODE_OFF, V_CODE_BYTES, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N)
+
+
+def dequantize_pages(
+    kv_cache: torch.Tensor,
+    layout: CacheLayout,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_tokens: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V (total_tokens, kv_heads, head_dim) in the rotated basis; sequence i at rows cu_seqlens_k[i]:."""
+    check_cache(kv_cache, layout)
+    check_dtype("dtype", torch.empty(0, dtype=dtype))
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_k.shape[0] != num_seqs + 1:
+        raise ValueError("cu_seqlens_k needs num_seqs + 1 entries")
+    shape = (total_tokens, layout.num_kv_heads, layout.head_dim)
+    k = torch.empty(shape, dtype=dtype, device=kv_cache.device)
+    v = torch.empty_like(k)
+    if total_tokens == 0 or num_seqs == 0:
+        return k, v
+    c = kernel_constants(layout, kv_cache.device)
+    block_n = 64
+    grid = (triton.cdiv(max_seq_len, block_n), num_seqs, layout.num_kv_heads)
+    _dequant_kernel[grid](
+        kv_cache, block_table, seq_lens, cu_seqlens_k, c.key_values[torch.float16], c.value_values[torch.float16],
+        k, v, block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), k.stride(0), k.stride(1),
+        HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_N=block_n, BLOCK_SIZE=layout.block_size,
+        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
+        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
+        K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
+        ASM="" if INTERPRETED else c.nibble_asm,
+        num_warps=4,
+    )
+    return k, v
