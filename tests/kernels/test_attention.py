@@ -107,6 +107,10 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple of 2 KV heads"):
         paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,
                         out=torch.empty_like(q))
+    q = torch.randn(1, 2, 64).half().to(DEVICE)
+    with pytest.raises(ValueError, match="seq_lens must be torch.int32"):
+        paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens.long(), max_query_len=1, scale=1.0,
+                        out=torch.empty_like(q))
     q = torch.randn(1, 2, 64).to(DEVICE)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,

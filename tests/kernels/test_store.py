@@ -60,5 +60,7 @@ def test_store_rejects_bad_input():
         store_kv(b.keys.float(), b.values.float(), b.kv_cache, b.slot_mapping, b.layout)
     with pytest.raises(ValueError, match="shape"):
         store_kv(b.keys[:, :1], b.values[:, :1], b.kv_cache, b.slot_mapping, b.layout)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        store_kv(b.keys, b.values, b.kv_cache, b.slot_mapping.float(), b.layout)
     with pytest.raises(ValueError, match="kv_cache must be uint8"):
         store_kv(b.keys, b.values, b.kv_cache[:, :, :-1], b.slot_mapping, b.layout)

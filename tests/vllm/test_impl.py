@@ -45,7 +45,8 @@ def test_mixed_step_matches_reference(vllm_config, workspace, bf16_default, monk
         start += n
 
     def slots(seq, positions):
-        return torch.tensor([int(block_table[seq, p // BLOCK]) * BLOCK + p % BLOCK for p in positions])
+        return torch.tensor([int(block_table[seq, p // BLOCK]) * BLOCK + p % BLOCK for p in positions],
+                            dtype=torch.int64)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(torch.bfloat16)

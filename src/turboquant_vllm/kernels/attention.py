@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..core.layout import CacheLayout
-from .common import INTERPRETED, check_dtype, load_halves, next_pow2
+from .common import INTERPRETED, check_dtype, check_index, load_halves, next_pow2
 from .constants import kernel_constants
 from .store import check_cache
 
@@ -212,6 +212,8 @@ def paged_attention(
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {layout.num_kv_heads} KV heads")
     if out.shape != query.shape or out.dtype != query.dtype:
         raise ValueError(f"out must match query: {tuple(query.shape)} {query.dtype}")
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        check_index(name, t, query)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] < num_seqs:
         raise ValueError("query_start_loc needs num_seqs + 1 entries and block_table a row per sequence")

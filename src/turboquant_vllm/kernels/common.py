@@ -109,5 +109,13 @@ def check_dtype(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
 
 
+def check_index(name: str, t: torch.Tensor, like: torch.Tensor, dtypes=(torch.int32,)) -> None:
+    """Metadata tensors: integer dtype the kernel reads, on the same device as the data."""
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.device != like.device:
+        raise ValueError(f"{name} is on {t.device} but the data is on {like.device}")
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())

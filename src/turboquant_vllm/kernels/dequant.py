@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..core.layout import CacheLayout
-from .common import INTERPRETED, check_dtype, load_halves, next_pow2
+from .common import INTERPRETED, check_dtype, check_index, load_halves, next_pow2
 from .constants import kernel_constants
 from .store import check_cache
 
@@ -73,6 +73,8 @@ def dequantize_pages(
     """K, V (total_tokens, kv_heads, head_dim) in the rotated basis; sequence i at rows cu_seqlens_k[i]:."""
     check_cache(kv_cache, layout)
     check_dtype("dtype", torch.empty(0, dtype=dtype))
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("cu_seqlens_k", cu_seqlens_k)):
+        check_index(name, t, kv_cache)
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_k.shape[0] != num_seqs + 1:
         raise ValueError("cu_seqlens_k needs num_seqs + 1 entries")

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..core.layout import CacheLayout
-from .common import check_dtype, codes_to_plane_bytes, next_pow2
+from .common import check_dtype, check_index, codes_to_plane_bytes, next_pow2
 from .constants import kernel_constants
 
 
@@ -99,6 +99,7 @@ def store_kv(
     check_dtype("key", key)
     check_dtype("value", value)
     check_cache(kv_cache, layout)
+    check_index("slot_mapping", slot_mapping, key, (torch.int64, torch.int32))
     if slot_mapping.shape[0] < key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
     if key.stride(2) != 1 or value.stride(2) != 1:
