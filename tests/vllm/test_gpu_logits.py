@@ -1,0 +1,183 @@
+"""GPU: vLLM with our backend computes the logits of a model whose K/V go through core's quantizer.
+
+A small Llama with random weights (real shapes, 2 layers) is saved as safetensors and served by
+vLLM with --attention-backend CUSTOM. A plain PyTorch forward of the same weights, with every
+cached key and value replaced by core's dequantize(quantize(.)), is the reference: vLLM's
+log-probabilities must match it (only kernel rounding differs) and must be clearly closer to it
+than to the same forward without quantization. Covered: prefill (prompt log-probs), decode
+(generated tokens' log-probs), chunked prefill, and prefix-cache hits (bit-identical reruns).
+
+    source .gpukit/bin/env.sh && python3 tests/vllm/test_gpu_logits.py      # or pytest -m gpu
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import torch
+
+try:
+    import pytest
+
+    pytestmark = pytest.mark.gpu
+except ImportError:  # the GPU image may lack pytest: run as a script
+    pytest = None
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, LAYERS, PROMPT_LEN, GENERATED = 512, 2, 300, 8
+# (head_dim, query heads, KV heads, dtype, preset)
+SHAPES = [(128, 8, 2, "bfloat16", "tq4"), (64, 8, 8, "float16", "tq4"), (256, 4, 1, "bfloat16", "tq3")]
+
+ENGINE = """
+import json, sys
+from vllm import LLM, SamplingParams
+a = json.loads(sys.argv[1])
+llm = LLM(model=a["model"], skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, seed=0,
+          attention_config={"backend": "CUSTOM"}, **a["llm"])
+prompts = [{"prompt_token_ids": p} for p in a["prompts"]]
+params = SamplingParams(max_tokens=a["generated"], temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0,
+                        detokenize=False)
+runs = []
+for _ in range(a["repeats"]):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    runs.append([dict(prompt=[None if d is None else d[t].logprob for d, t in zip(o.prompt_logprobs, p)],
+                      tokens=list(o.outputs[0].token_ids),
+                      decode=[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                 for o, p in zip(outs, a["prompts"])])
+print("RESULT " + json.dumps(runs), flush=True)
+"""
+
+
+def make_model(path: Path, head_dim: int, q_heads: int, kv_heads: int, dtype: str) -> dict:
+    from safetensors.torch import save_file
+
+    hidden, inter = q_heads * head_dim, 2 * q_heads * head_dim
+    gen = torch.Generator().manual_seed(head_dim)
+    w = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(getattr(torch, dtype))  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(VOCAB, hidden) * hidden**0.5, "model.norm.weight": w(hidden) ** 0,
+               "lm_head.weight": w(VOCAB, hidden)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(q_heads * head_dim, hidden) * 2,  # peaky attention: sensitive to K
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden) * 2,
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, q_heads * head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": w(hidden) ** 0, p + "post_attention_layernorm.weight": w(hidden) ** 0,
+        })
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden, intermediate_size=inter,
+                  num_hidden_layers=LAYERS, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                  head_dim=head_dim, vocab_size=VOCAB, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, torch_dtype=dtype, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    (path / "config.json").write_text(json.dumps(config))
+    return {k: v.float().cuda() for k, v in tensors.items()} | {"config": config}
+
+
+def reference_logprobs(weights: dict, tokens: list[int], preset: str | None) -> torch.Tensor:
+    """log p(tokens[t+1] | tokens[:t+1]) for every t, plain PyTorch, K/V through core's quantizer."""
+    from turboquant_vllm.core.presets import get_preset
+    from turboquant_vllm.core.quantizer import Quantizer
+
+    cfg = weights["config"]
+    d, hq, hk = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    ids = torch.tensor(tokens, device="cuda")
+    n = len(tokens)
+    x = weights["model.embed_tokens.weight"][ids]
+    inv_freq = 1.0 / cfg["rope_theta"] ** (torch.arange(0, d, 2, device="cuda").float() / d)
+    ang = torch.arange(n, device="cuda").float()[:, None] * inv_freq
+    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+    rope = lambda t: t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin  # noqa: E731
+    norm = lambda t, g: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]) * g  # noqa: E731
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        h = norm(x, weights[p + "input_layernorm.weight"])
+        q = rope((h @ weights[p + "self_attn.q_proj.weight"].T).view(n, hq, d))
+        k = rope((h @ weights[p + "self_attn.k_proj.weight"].T).view(n, hk, d))
+        v = (h @ weights[p + "self_attn.v_proj.weight"].T).view(n, hk, d)
+        if preset:
+            kq, vq = Quantizer(get_preset(preset).k_bits, d), Quantizer(get_preset(preset).v_bits, d)
+            k, v = kq.dequantize(*kq.quantize(k)), vq.dequantize(*vq.quantize(v))
+        k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+        att = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, hq * d)
+        x = x + att @ weights[p + "self_attn.o_proj.weight"].T
+        h = norm(x, weights[p + "post_attention_layernorm.weight"])
+        gate, up = h @ weights[p + "mlp.gate_proj.weight"].T, h @ weights[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ weights[p + "mlp.down_proj.weight"].T
+    logits = norm(x, weights["model.norm.weight"]) @ weights["lm_head.weight"].T
+    return logits.log_softmax(-1)[:-1].gather(1, ids[1:, None]).squeeze(1)
+
+
+def serve(model: Path, prompts: list[list[int]], preset: str, llm: dict, repeats: int = 1) -> list:
+    env = dict(os.environ, TURBOQUANT_PRESET=preset)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    args = dict(model=str(model), prompts=prompts, generated=GENERATED, llm=llm, repeats=repeats)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(ENGINE), json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
+
+
+def check_shape(head_dim, q_heads, kv_heads, dtype, preset) -> dict:
+    base = Path(tempfile.mkdtemp(prefix="tq-logits-"))
+    weights = make_model(base / "model", head_dim, q_heads, kv_heads, dtype)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (PROMPT_LEN - 40 * i,), generator=gen).tolist() for i in range(3)]
+    whole = serve(base / "model", prompts, preset, {"enforce_eager": True, "enable_prefix_caching": True}, repeats=2)
+    chunked = serve(base / "model", prompts, preset, {"enforce_eager": True, "enable_prefix_caching": False,
+                                                        "max_num_batched_tokens": 64, "enable_chunked_prefill": True})
+    report = {}
+    for name, run in (("prefill+decode", whole[0]), ("chunked", chunked[0])):
+        err_q, err_fp = [], []
+        for p, out in zip(prompts, run):
+            full = p + out["tokens"]
+            # prompt log-probs of tokens 1.. then the generated tokens': ref[t] scores full[t + 1]
+            ours = torch.tensor(out["prompt"][1:] + out["decode"], device="cuda")
+            ref_q, ref_fp = reference_logprobs(weights, full, preset), reference_logprobs(weights, full, None)
+            err_q.append((ours - ref_q[: len(ours)]).abs())
+            err_fp.append((ours - ref_fp[: len(ours)]).abs())
+        err_q, err_fp = torch.cat(err_q), torch.cat(err_fp)
+        report[name] = dict(mean_vs_quantized=err_q.mean().item(), max_vs_quantized=err_q.max().item(),
+                            mean_vs_unquantized=err_fp.mean().item())
+    # prefix-cache hit: the second run reads the first run's compressed blocks
+    report["prefix_hit_identical"] = whole[0] == whole[1]
+    return report
+
+
+def assert_report(report: dict) -> None:
+    for name in ("prefill+decode", "chunked"):
+        r = report[name]
+        assert r["mean_vs_quantized"] < 0.5 * r["mean_vs_unquantized"], report  # the quantizer is what vLLM ran
+        assert r["max_vs_quantized"] < 0.25, report  # only kernel / bf16 rounding remains
+    assert report["prefix_hit_identical"], report
+
+
+if pytest is not None:
+
+    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s[0]}-{s[1]}q{s[2]}kv-{s[3]}-{s[4]}")
+    def test_logits_match_the_quantized_reference(shape):
+        assert_report(check_shape(*shape))
+
+
+if __name__ == "__main__":
+    results = {}
+    for shape in SHAPES:
+        try:
+            rep = check_shape(*shape)
+            assert_report(rep)
+            results[str(shape)] = dict(rep, ok=True)
+        except Exception as exc:  # noqa: BLE001 - a report, not a test runner
+            results[str(shape)] = f"FAIL {type(exc).__name__}: {str(exc)[:2000]}"
+    print(json.dumps(results, indent=1))
+    sys.exit(0 if all(isinstance(v, dict) for v in results.values()) else 1)
