@@ -2,10 +2,12 @@
 
 A Llama-shaped model with random weights (16 layers, hidden 2048, 16 query / 4 KV heads,
 head_dim 128), gpu_memory_utilization 0.85, full CUDA graphs for decode, no prefix caching.
-Decode tok/s = requests x (generated - 1) / (time of the full run - time of a prefill-only run).
+Decode tok/s = requests x (generated - 1) / (time of the full run - time of a prefill-only run),
+the median over --repeats pairs; --at-limit CONTEXT adds requests/s with as many CONTEXT-token
+requests as the KV cache holds.
 Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
 
-    python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768]
+    python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192]
 Writes benchmarks/results/e2e.{json,md,png}.
 """
 
@@ -37,39 +39,50 @@ KV = {
     "tq3": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "tq3"}),
 }
 GENERATED = 128
+MAX_SEQS_AT_LIMIT = 2048
 
 
-def engine(kv: str, model_dir: str, runs: list[tuple[int, int]]) -> dict:
+def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int) -> dict:
     """Runs inside a fresh process: one engine, every measurement for this KV cache."""
     import random
+    import statistics
 
     from vllm import LLM, SamplingParams
 
     backend, dtype, _ = KV[kv]
-    longest = max(c for _, c in runs)
+    longest = max([c for _, c in runs] + [at_limit])
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=longest + GENERATED + 8,
               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, kv_cache_dtype=dtype,
-              max_num_seqs=max(b for b, _ in runs),
+              max_num_seqs=MAX_SEQS_AT_LIMIT if at_limit else max(b for b, _ in runs),
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
               **({"attention_config": {"backend": backend}} if backend else {}))
     cache = llm.llm_engine.vllm_config.cache_config
     row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size}
     rng = random.Random(0)
+
+    def timed(prompts: list, max_tokens: int) -> float:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        return time.perf_counter() - t0
+
+    def random_prompts(n: int, length: int) -> list:
+        return [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(length)]} for _ in range(n)]
+
     for batch, context in runs:
-        prompts = [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(context)]} for _ in range(batch)]
-
-        def timed(max_tokens: int) -> float:
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-            return time.perf_counter() - t0
-
-        timed(1)  # warm-up
-        prefill = timed(1)
-        full = timed(GENERATED)
-        row[f"decode_tok_s_{batch}x{context // 1024}k"] = batch * (GENERATED - 1) / (full - prefill)
+        prompts = random_prompts(batch, context)
+        timed(prompts, 1)  # warm-up
+        # Decode time = full run - prefill-only run; each is noisy, so take the median of pairs.
+        pairs = [(timed(prompts, 1), timed(prompts, GENERATED)) for _ in range(repeats)]
+        prefill = statistics.median(p for p, _ in pairs)
+        decode = statistics.median(f - p for p, f in pairs)
+        row[f"decode_tok_s_{batch}x{context // 1024}k"] = batch * (GENERATED - 1) / decode
         row[f"prefill_tok_s_{batch}x{context // 1024}k"] = batch * context / prefill
+    if at_limit:  # as many requests as the cache holds, all at once
+        n = min(row["kv_tokens"] // (at_limit + GENERATED), MAX_SEQS_AT_LIMIT)
+        seconds = timed(random_prompts(n, at_limit), GENERATED)
+        row.update(at_limit_requests=n, at_limit_req_s=n / seconds, at_limit_output_tok_s=n * GENERATED / seconds)
     return row
 
 
@@ -78,13 +91,16 @@ def main() -> None:
     ap.add_argument("--kv", default=",".join(KV))
     ap.add_argument("--runs", default="64x8192,32x32768")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--repeats", type=int, default=3, help="prefill-only / full run pairs per shape (median)")
+    ap.add_argument("--at-limit", type=int, default=0, metavar="CONTEXT",
+                    help="also serve as many CONTEXT-token requests as the cache holds, at once (e.g. 8192)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in e2e.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
     if args.child:
         kv, model_dir = args.child.split(":", 1)
-        print("E2E_ROW " + json.dumps(engine(kv, model_dir, runs)), flush=True)
+        print("E2E_ROW " + json.dumps(engine(kv, model_dir, runs, args.repeats, args.at_limit)), flush=True)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,8 +111,9 @@ def main() -> None:
         (Path(model_dir) / "config.json").write_text(json.dumps(MODEL))
         for kv in args.kv.split(","):
             env = dict(os.environ, **KV[kv][2])
-            proc = subprocess.run([sys.executable, __file__, "--runs", args.runs, "--child", f"{kv}:{model_dir}"],
-                                  env=env, capture_output=True, text=True)
+            cmd = [sys.executable, __file__, "--runs", args.runs, "--repeats", str(args.repeats),
+                   "--at-limit", str(args.at_limit), "--child", f"{kv}:{model_dir}"]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             (out / f"e2e_{kv}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
             found = [line for line in proc.stdout.splitlines() if line.startswith("E2E_ROW ")]
             if not found:
@@ -118,12 +135,13 @@ def write(rows: list[dict], out: Path, runs: str) -> None:
     meta = dict(model=MODEL, runs=runs, generated=GENERATED, command="python benchmarks/e2e.py")
     (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
-    lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | prefill tok/s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | prefill tok/s | "
+             "requests/s at the memory limit |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['kv']} | {r['kv_tokens']:,} | {fmt(r.get('kv_tokens_vs_bf16'), '.2f')}x | "
                      f"{fmt(r['decode_tok_s_64x8k'], ',.0f')} | {fmt(r['decode_tok_s_32x32k'], ',.0f')} | "
-                     f"{fmt(r['prefill_tok_s'], ',.0f')} |")
+                     f"{fmt(r['prefill_tok_s'], ',.0f')} | {fmt(r.get('at_limit_req_s'), '.2f')} |")
     (out / "e2e.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib

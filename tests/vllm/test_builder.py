@@ -96,3 +96,15 @@ def test_builder_refuses_an_uncompressed_spec(vllm_config, bf16_default):
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="not a TurboQuant spec"):
         TQ4MetadataBuilder(spec, ["model.layers.0.self_attn.attn"], vllm_config, torch.device("cpu"))
+
+
+def test_long_prefills_take_the_dense_path(builder, monkeypatch):
+    from turboquant_vllm.vllm.backend import DENSE_PREFILL_MIN_TOKENS
+
+    builder.dense_prefill = True  # as on a GPU where FlashAttention imports
+    n = DENSE_PREFILL_MIN_TOKENS
+    md = builder.build(0, make_cam([1, n, 40], [30, n, 140]))
+    assert md.prefill_cu_seqlens_k.tolist() == [0, n, n + 140]
+    assert (md.prefill_total_k, md.prefill_max_seq_len) == (n + 140, 140 if n < 140 else n)
+    short = builder.build(0, make_cam([1, 5], [30, 5]))  # few prefill tokens: the paged kernel
+    assert short.prefill_cu_seqlens_k is None
