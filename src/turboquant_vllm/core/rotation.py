@@ -23,12 +23,3 @@ def rotation_matrix(dim: int, seed: int = 0, device: torch.device | str = "cpu")
         raise ValueError(f"dim must be positive, got {dim}")
     return _rotation_cpu(dim, seed).to(device)
 
-
-def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """y = R x for every row vector of x (..., dim), in fp32."""
-    return x.float() @ rotation.T
-
-
-def unrotate(y: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x = R^T y for every row vector of y (..., dim), in fp32."""
-    return y.float() @ rotation
