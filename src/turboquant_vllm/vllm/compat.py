@@ -143,6 +143,7 @@ def workspace_manager() -> Any | None:
     return current_workspace_manager() if is_workspace_manager_initialized() else None
 
 
+@functools.lru_cache(maxsize=None)
 def flash_attn_varlen() -> tuple[Any, int] | None:
     """vLLM's FlashAttention varlen function and version, or None where it cannot run (no CUDA, no build)."""
     import torch
