@@ -172,21 +172,21 @@ def main() -> None:
 
 
 def sweep(shapes, gen) -> None:
+    """Tile, warp, pipeline-stage and split choices of ours (tq4), one line each."""
+    configs = [(n, w, st) for n, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (1, 2, 3)]
     for batch, context in shapes:
         b = Batch(batch, context, gen)
         base = default_num_splits(batch, KV_HEADS)
-        for preset in ("tq4", "tq3"):
-            for block_n in (32, 64, 128):
-                for num_warps in (4, 8):
-                    for splits in (base, 2 * base, 4 * base):
-                        try:
-                            fn, bpt, _ = ours(b, preset, splits, block_n=block_n, num_warps=num_warps)
-                            ms = bench(fn)
-                        except Exception as e:
-                            print(f"sweep {preset} {batch}x{context} n{block_n} w{num_warps} s{splits}: {e!r}"[:300])
-                            continue
-                        print(f"sweep {preset} {batch}x{context} block_n={block_n} warps={num_warps} splits={splits}: "
-                              f"{ms:.3f} ms {b.bytes_kv(bpt) / ms / 1e6:.0f} GB/s")
+        for block_n, num_warps, stages in configs:
+            for splits in (base, 2 * base):
+                try:
+                    fn, bpt, _ = ours(b, "tq4", splits, block_n=block_n, num_warps=num_warps, num_stages=stages)
+                    ms = bench(fn)
+                except Exception as e:
+                    print(f"sweep tq4 {batch}x{context} n{block_n} w{num_warps} st{stages} s{splits}: {e!r}"[:300])
+                    continue
+                print(f"sweep tq4 {batch}x{context} block_n={block_n} warps={num_warps} stages={stages} "
+                      f"splits={splits}: {ms:.3f} ms {b.bytes_kv(bpt) / ms / 1e6:.0f} GB/s")
         del b
         torch.cuda.empty_cache()
 

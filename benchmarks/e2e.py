@@ -132,7 +132,7 @@ def write(rows: list[dict], out: Path, runs: str) -> None:
         r["prefill_tok_s"] = r.get("prefill_tok_s_64x8k")
         if base:
             r["kv_tokens_vs_bf16"] = r["kv_tokens"] / base["kv_tokens"]
-    meta = dict(model=MODEL, runs=runs, generated=GENERATED, command="python benchmarks/e2e.py")
+    meta = dict(model=MODEL, runs=runs, generated=GENERATED, command="python benchmarks/e2e.py " + " ".join(sys.argv[1:]))
     (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
     lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | prefill tok/s | "

@@ -201,6 +201,7 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int = 128,
     num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -255,7 +256,7 @@ def paged_attention(
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
         ASM="" if INTERPRETED else c.nibble_asm,
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(rows,)](part_acc, part_ml, o_rot, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
