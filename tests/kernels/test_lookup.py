@@ -32,3 +32,53 @@ def test_nibble_asm_matches_code_table(head_dim):
     table = Quantizer(4, head_dim).code_values("cuda", torch.float16)
     assert torch.equal(even, table[codes[:, 0].cuda().long()])
     assert torch.equal(odd, table[codes[:, 1].cuda().long()])
+
+
+def _run_ptx(program: str, word: int) -> list[int]:
+    """Executes the lookup's PTX (mov / and / shr / shl / prmt / lop3 on .b32) for one input word."""
+    regs = {"$4": word}
+    val = lambda x: int(x, 0) if x[0].isdigit() else regs[x]  # noqa: E731
+    for line in program.replace("{", "").replace("}", "").split(";"):
+        parts = line.replace(",", " ").split()
+        if not parts or parts[0] == ".reg":
+            continue
+        op, dst, *src = parts
+        a = [val(x) for x in src]
+        if op == "mov.b32":
+            r = a[0]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "shr.u32":
+            r = a[0] >> a[1]
+        elif op == "shl.b32":
+            r = a[0] << a[1]
+        elif op == "prmt.b32":  # byte i of d = byte (selector nibble i & 7) of {b, a}; nibble bit 3: sign fill
+            pool = (a[1] << 32 | a[0]).to_bytes(8, "little")
+            out = []
+            for i in range(4):
+                sel = a[2] >> 4 * i & 15
+                byte = pool[sel & 7]
+                out.append((0xFF if byte & 0x80 else 0) if sel & 8 else byte)
+            r = int.from_bytes(bytes(out), "little")
+        elif op == "lop3.b32":  # bit-wise LUT over (a, b, c) with a = 0xF0, b = 0xCC, c = 0xAA
+            r = sum(1 << bit for bit in range(32)
+                    if a[3] >> ((a[0] >> bit & 1) << 2 | (a[1] >> bit & 1) << 1 | (a[2] >> bit & 1)) & 1)
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        regs[dst] = r & 0xFFFFFFFF
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_nibble_asm_program_on_cpu(head_dim):
+    """The PTX program itself (emulated here; CI has no GPU): every code at every nibble position."""
+    c = _constants(4, 4, head_dim, torch.device("cpu"))
+    table = Quantizer(4, head_dim).code_values("cpu", torch.float16).view(torch.int16).tolist()
+    gen = torch.Generator().manual_seed(head_dim)
+    words = [sum(((k + j) % 16) << 4 * j for j in range(8)) for k in range(16)]  # each code at each position
+    words += torch.randint(0, 2**32, (200,), generator=gen, dtype=torch.int64).tolist()
+    for w in words:
+        nib = [w >> 4 * j & 15 for j in range(8)]  # nibble 2b = coordinate 2b of byte b, nibble 2b+1 = 2b+1
+        got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.nibble_asm, w)]
+        want = [[nib[0], nib[2]], [nib[4], nib[6]], [nib[1], nib[3]], [nib[5], nib[7]]]
+        assert got == [[table[x] & 0xFFFF for x in pair] for pair in want], hex(w)
