@@ -1,0 +1,77 @@
+"""Compile the decode attention kernel for sm_90 without a GPU and print its register count and
+the instruction mix of its main loop: the per-tile issue cost that bounds decode speed (NOTES.md).
+
+    python benchmarks/kernel_sass.py [--preset tq4] [--block-n 128] [--warps 4] [--stages 3] [--out DIR]
+
+Uses Triton's own ptxas / cuobjdump; the integer arguments get the divisibility-by-16 hints a
+real launch gives them, so the cubin is the one the GPU would run for this shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from turboquant_vllm.core.layout import CacheLayout
+from turboquant_vllm.core.presets import get_preset
+from turboquant_vllm.kernels import attention
+from turboquant_vllm.kernels.constants import _constants
+
+POINTERS = {"q_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "qsl_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "k_lut_ptr": "*fp16", "v_lut_ptr": "*fp16", "o_ptr": "*fp32",
+            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+DIVISIBLE = set(POINTERS) | {"stride_qt", "stride_qh", "stride_bt", "stride_cblock", "stride_chead", "num_seqs"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="tq4")
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--out", default="build/kernel_sass", help="where the ttgir / ptx / sass are written")
+    args = ap.parse_args()
+    layout = CacheLayout(get_preset(args.preset), 128, 8, 16)  # the benchmark's shape: 32 q / 8 KV heads, d 128
+    consts = dict(
+        NUM_Q_HEADS=32, GROUP=4, G_PAD=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=args.block_n, NUM_SPLITS=2, DECODE_ONLY=True,
+        HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
+        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes, K_NORM_OFF=layout.key_norm_offset,
+        V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset, USE_WINDOW=False,
+        USE_SOFTCAP=False, UPCAST=False, ASM=_constants(4, 4, 128, "cpu").nibble_asm)
+    names = attention._attention_kernel.arg_names
+    signature = {n: POINTERS.get(n, "constexpr" if n in consts else "fp32" if n == "softcap" else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in DIVISIBLE}
+    kernel = triton.compile(ASTSource(attention._attention_kernel, signature, consts, attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps,
+                                                                       "num_stages": args.stages})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for key in ("ttgir", "ptx"):
+        (out / f"attention.{key}").write_text(kernel.asm[key])
+    (out / "attention.cubin").write_bytes(kernel.asm["cubin"])
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    sass = subprocess.run([tools / "cuobjdump", "-sass", out / "attention.cubin"], capture_output=True, text=True,
+                          check=True).stdout
+    (out / "attention.sass").write_text(sass)
+    usage = subprocess.run([tools / "cuobjdump", "--dump-resource-usage", out / "attention.cubin"],
+                           capture_output=True, text=True, check=True).stdout
+    print(re.search(r"REG:\d+ STACK:\d+", usage).group(0), f"shared {kernel.metadata.shared} B")
+    ins = [(int(a, 16), op, rest) for a, op, rest in
+           re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)]
+    for addr, op, rest in ins:  # a backward branch closes a loop
+        target = re.search(r"0x([0-9a-f]+)", rest)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            body = [o.split(".")[0] for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            print(f"loop: {len(body)} instructions per warp per tile of {args.block_n} tokens;",
+                  ", ".join(f"{k} {v}" for k, v in Counter(body).most_common(12)))
+
+
+if __name__ == "__main__":
+    main()
