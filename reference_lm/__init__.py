@@ -1,0 +1,1 @@
+"""A small Llama reference LM for testing compressed KV caches: data prep, training, pass-key format."""
