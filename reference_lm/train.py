@@ -181,6 +181,7 @@ def write_model_card(out: Path, record: dict) -> None:
         else ""
     )
     by_len = ", ".join(f"{k} tokens {v:.1%}" for k, v in f["passkey"].items() if k != "all")
+    val_curve = "; ".join(f"{e['step']}: {e['val_loss']:.3f}, {e['passkey']['all']:.0%}" for e in record["evals"])
     params = record["params"]
     (out / "README.md").write_text(
         template.substitute(
@@ -213,6 +214,7 @@ def write_model_card(out: Path, record: dict) -> None:
             val_loss=f"{f['val_loss']:.3f}",
             passkey_all=f"{f['passkey']['all']:.1%}",
             passkey_by_len=by_len,
+            val_curve=val_curve,
             n_passkey=4 * t["passkey_per_length"],
             early=early,
             wall=f"{record['wall_seconds']:.0f}",
