@@ -7,8 +7,8 @@ the median over --repeats pairs; --at-limit CONTEXT adds requests/s with as many
 requests as the KV cache holds.
 Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
 
-    python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192]
-Writes benchmarks/results/e2e.{json,md,png}.
+    python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192] [--heads 32/8]
+Writes benchmarks/results/e2e.{json,md,png} (e2e_32q8kv.* for --heads 32/8).
 """
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ MODEL = dict(
     max_position_embeddings=40960, rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="bfloat16",
     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
 )
+
+
+def model_config(heads: str) -> tuple[dict, str]:
+    """The model for "Q/KV" query / KV heads (hidden = Q x 128) and the results' file stem."""
+    q, kv = (int(x) for x in heads.split("/"))
+    if (q, kv) == (16, 4):
+        return MODEL, "e2e"
+    return dict(MODEL, hidden_size=q * 128, intermediate_size=int(q * 128 * 2.6875), num_attention_heads=q,
+                num_key_value_heads=kv), f"e2e_{q}q{kv}kv"
+
+
 # kv name -> (attention backend, kv_cache_dtype, extra environment)
 KV = {
     "bf16": ("FLASH_ATTN", "auto", {}),
@@ -94,7 +105,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="prefill-only / full run pairs per shape (median)")
     ap.add_argument("--at-limit", type=int, default=0, metavar="CONTEXT",
                     help="also serve as many CONTEXT-token requests as the cache holds, at once (e.g. 8192)")
-    ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in e2e.json")
+    ap.add_argument("--heads", default="16/4", help="query / KV heads of the model (16/4: the kit's reference shape; "
+                    "others write e2e_<Q>q<KV>kv.*)")
+    ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in the results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
@@ -104,27 +117,28 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    model, stem = model_config(args.heads)
     rows = []
-    if args.merge and (out / "e2e.json").exists():  # keep the other KV caches' rows of an earlier call
-        rows = [r for r in json.loads((out / "e2e.json").read_text())["rows"] if r["kv"] not in args.kv.split(",")]
+    if args.merge and (out / f"{stem}.json").exists():  # keep the other KV caches' rows of an earlier call
+        rows = [r for r in json.loads((out / f"{stem}.json").read_text())["rows"] if r["kv"] not in args.kv.split(",")]
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(MODEL))
+        (Path(model_dir) / "config.json").write_text(json.dumps(model))
         for kv in args.kv.split(","):
             env = dict(os.environ, **KV[kv][2])
             cmd = [sys.executable, __file__, "--runs", args.runs, "--repeats", str(args.repeats),
                    "--at-limit", str(args.at_limit), "--child", f"{kv}:{model_dir}"]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            (out / f"e2e_{kv}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+            (out / f"{stem}_{kv}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
             found = [line for line in proc.stdout.splitlines() if line.startswith("E2E_ROW ")]
             if not found:
-                print(f"{kv}: failed (rc {proc.returncode}); see {out / f'e2e_{kv}.log'}")
+                print(f"{kv}: failed (rc {proc.returncode}); see {out / f'{stem}_{kv}.log'}")
                 continue
             rows.append(json.loads(found[-1][len("E2E_ROW "):]))
             print(rows[-1], flush=True)
-            write(rows, out, args.runs)  # after every row: a cut-off run keeps what it measured
+            write(rows, out, args.runs, model, stem)  # after every row: a cut-off run keeps what it measured
 
 
-def write(rows: list[dict], out: Path, runs: str) -> None:
+def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str = "e2e") -> None:
     base = next((r for r in rows if r["kv"] == "bf16"), None)
     for r in rows:  # the issue's schema: prefill_tok_s is the 64 x 8k prefill figure
         r.setdefault("decode_tok_s_64x8k", None)
@@ -132,8 +146,8 @@ def write(rows: list[dict], out: Path, runs: str) -> None:
         r["prefill_tok_s"] = r.get("prefill_tok_s_64x8k")
         if base:
             r["kv_tokens_vs_bf16"] = r["kv_tokens"] / base["kv_tokens"]
-    meta = dict(model=MODEL, runs=runs, generated=GENERATED, command="python benchmarks/e2e.py " + " ".join(sys.argv[1:]))
-    (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    meta = dict(model=model, runs=runs, generated=GENERATED, command="python benchmarks/e2e.py " + " ".join(sys.argv[1:]))
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
     lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | prefill tok/s | "
              "requests/s at the memory limit |",
@@ -142,7 +156,9 @@ def write(rows: list[dict], out: Path, runs: str) -> None:
         lines.append(f"| {r['kv']} | {r['kv_tokens']:,} | {fmt(r.get('kv_tokens_vs_bf16'), '.2f')}x | "
                      f"{fmt(r['decode_tok_s_64x8k'], ',.0f')} | {fmt(r['decode_tok_s_32x32k'], ',.0f')} | "
                      f"{fmt(r['prefill_tok_s'], ',.0f')} | {fmt(r.get('at_limit_req_s'), '.2f')} |")
-    (out / "e2e.md").write_text("\n".join(lines) + "\n")
+    shape = (f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} q / "
+             f"{model['num_key_value_heads']} KV heads, head_dim {model['head_dim']}")
+    (out / f"{stem}.md").write_text(f"Llama shape with random weights: {shape}.\n\n" + "\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
 
@@ -156,8 +172,9 @@ def write(rows: list[dict], out: Path, runs: str) -> None:
         ax.bar(names, [r[key] or 0 for r in rows])
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=45)
+    fig.suptitle(shape)
     fig.tight_layout()
-    fig.savefig(out / "e2e.png", dpi=120)
+    fig.savefig(out / f"{stem}.png", dpi=120)
 
 
 if __name__ == "__main__":

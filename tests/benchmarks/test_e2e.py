@@ -1,0 +1,29 @@
+"""benchmarks/e2e.py without a GPU: the model shapes and the written results."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import e2e  # noqa: E402
+
+
+def test_model_shapes():
+    assert e2e.model_config("16/4") == (e2e.MODEL, "e2e")
+    model, stem = e2e.model_config("32/8")
+    assert stem == "e2e_32q8kv"
+    assert (model["num_attention_heads"], model["num_key_value_heads"], model["hidden_size"]) == (32, 8, 4096)
+    assert model["head_dim"] == 128 and model["num_hidden_layers"] == e2e.MODEL["num_hidden_layers"]
+
+
+def test_write_tables_ratios_and_plot(tmp_path):
+    rows = [dict(kv="bf16", kv_tokens=1000, decode_tok_s_64x8k=100.0, prefill_tok_s_64x8k=50.0),
+            dict(kv="tq4", kv_tokens=3760, decode_tok_s_64x8k=120.0, prefill_tok_s_64x8k=40.0, at_limit_req_s=2.5)]
+    model, stem = e2e.model_config("32/8")
+    e2e.write(rows, tmp_path, "64x8192", model, stem)
+    data = json.loads((tmp_path / "e2e_32q8kv.json").read_text())
+    assert [r["kv_tokens_vs_bf16"] for r in data["rows"]] == [1.0, 3.76]
+    assert data["rows"][1]["prefill_tok_s"] == 40.0 and data["rows"][0]["decode_tok_s_32x32k"] is None
+    md = (tmp_path / "e2e_32q8kv.md").read_text()
+    assert "32 q / 8 KV heads" in md and "| tq4 | 3,760 | 3.76x | 120 |  | 40 | 2.50 |" in md
+    assert (tmp_path / "e2e_32q8kv.png").stat().st_size > 0
