@@ -1,6 +1,6 @@
 """Tokenizer and token files for the reference LM, from the Gutenberg corpus.
 
-    python reference_lm/prepare_data.py --corpus /work/shared/data/corpus --out build/reference_lm
+    python reference_lm/prepare_data.py --corpus ../shared/data/corpus --out build/reference_lm
 
 Splits by book (seeded), trains a byte-level BPE on the training books only (digits split one
 per token so pass keys copy digit by digit), and writes train.bin / val.bin (uint16 ids, each
