@@ -75,11 +75,8 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
     DH: tl.constexpr = D_PAD // 2
     if BITS == 4:  # byte j holds coordinates 2j (low nibble) and 2j+1 (high nibble)
         j = tl.arange(0, DH)
-        if HEAD_DIM == D_PAD:  # a mask along j would stop the loads from being vectorized
-            packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=valid[:, None], other=0)
-        else:
-            packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :],
-                             mask=valid[:, None] & (j[None, :] < HEAD_DIM // 2), other=0)
+        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=valid[:, None] & (j[None, :] < HEAD_DIM // 2),
+                         other=0)
         if ASM != "":
             even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
                                                   is_pure=True, pack=4)
