@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from reference_lm.model import Llama, ModelConfig, apply_rope, rope_cos_sin  # noqa: E402
+from reference_lm.model import Llama, ModelConfig, rope_cos_sin  # noqa: E402
 from turboquant_vllm.core.presets import NORM_BYTES  # noqa: E402
 from turboquant_vllm.core.quantizer import Quantizer  # noqa: E402
 
@@ -65,29 +66,16 @@ def load_model(path: Path) -> Llama:
 
 def forward(model: Llama, ids: torch.Tensor, kv_hook=None, start: int = 0, h: torch.Tensor | None = None,
             inputs: list | None = None) -> torch.Tensor:
-    """Llama.forward, op for op, with K (post-RoPE) and V of layer i replaced by kv_hook(i, k, v).
+    """Llama.forward with K (post-RoPE) and V of layer i replaced by kv_hook(i, k, v).
 
     start / h: begin at layer `start` with its input h (the layers before it are unquantized, so the
     reference's inputs can be reused). inputs: if a list, each layer's input is appended to it."""
-    c = model.config
-    cos, sin = rope_cos_sin(c, ids.shape[1], ids.device)
+    cos, sin = rope_cos_sin(model.config, ids.shape[1], ids.device)
     x = model.model.embed_tokens(ids) if h is None else h
-    for i, layer in enumerate(model.model.layers):
-        if i < start:
-            continue
+    for i, layer in enumerate(model.model.layers[start:], start):
         if inputs is not None:
             inputs.append(x)
-        a, hn = layer.self_attn, layer.input_layernorm(x)
-        B, T, _ = hn.shape
-        q = a.q_proj(hn).view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(hn).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
-        v = a.v_proj(hn).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_hook is not None:
-            k, v = kv_hook(i, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + a.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = layer(x, cos, sin, None if kv_hook is None else functools.partial(kv_hook, i))
     return F.linear(model.model.norm(x), model.model.embed_tokens.weight)
 
 

@@ -80,12 +80,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, kv_hook=None):
+        """kv_hook(k, v) -> (k, v): what a KV cache would hand back for K (post-RoPE) and V, [B, kv_heads, T, d]."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_hook is not None:
+            k, v = kv_hook(k, v)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -109,8 +112,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, kv_hook=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_hook)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
