@@ -118,12 +118,8 @@ def fake_quant(x: torch.Tensor, fmt: int | str | None, norm_correct: bool = Fals
         return x
     if fmt == "fp8":  # vLLM's fp8 KV cache with its default scale 1: a plain cast
         return x.to(torch.float8_e4m3fn).to(x.dtype)
-    q = Quantizer(fmt, x.shape[-1], seed)
-    packed, norms = q.quantize(x)
-    xh = q.dequantize(packed, norms)
-    if norm_correct:  # Lloyd-Max shrinks: E||x_hat||^2 = (1 - MSE)||x||^2; give back the exact norm
-        xh = xh * (norms / torch.linalg.vector_norm(xh, dim=-1).clamp_min(1e-30)).unsqueeze(-1)
-    return xh.to(x.dtype)
+    q = Quantizer(fmt, x.shape[-1], seed, norm_correction=norm_correct)
+    return q.dequantize(*q.quantize(x)).to(x.dtype)
 
 
 def kv_hook(cfg: KVConfig, centers: dict | None = None):

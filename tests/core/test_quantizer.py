@@ -29,11 +29,25 @@ def test_quantize_shapes_norms_and_error(bits, dtype):
     packed, norms = q.quantize(x)
     assert packed.shape == (5, 4, 96 * bits // 8) and packed.dtype == torch.uint8
     assert norms.dtype == torch.float32
-    assert torch.allclose(norms, torch.linalg.vector_norm(x.float(), dim=-1))
     x_hat = q.dequantize(packed, norms)
-    rel = ((x.float() - x_hat) ** 2).sum(-1) / norms**2
+    true_norms = torch.linalg.vector_norm(x.float(), dim=-1)
+    # Norm correction: the reconstruction has exactly the vector's norm.
+    torch.testing.assert_close(torch.linalg.vector_norm(x_hat, dim=-1), true_norms, rtol=1e-5, atol=0)
+    rel = ((x.float() - x_hat) ** 2).sum(-1) / true_norms**2
     assert torch.isfinite(x_hat).all()
     assert rel.mean() < 1.5 * lloyd_max(bits, 96).distortion
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_norm_correction_only_rescales(bits):
+    """Same codes either way; corrected norms = true norms / the unit reconstruction's norm."""
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(bits))
+    plain, corrected = Quantizer(bits, 128, norm_correction=False), Quantizer(bits, 128)
+    (codes_p, norms_p), (codes_c, norms_c) = plain.quantize(x), corrected.quantize(x)
+    assert torch.equal(codes_p, codes_c)
+    torch.testing.assert_close(norms_p, torch.linalg.vector_norm(x, dim=-1))
+    shrink = norms_p / norms_c  # = ||value[codes]|| of the unit vector: E[shrink^2] = 1 - MSE
+    assert (shrink**2).mean() == pytest.approx(1 - lloyd_max(bits, 128).distortion, abs=0.01)
 
 
 def test_zero_vector_stays_zero():

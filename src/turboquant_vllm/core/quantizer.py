@@ -18,6 +18,9 @@ class Quantizer:
     bits: int
     dim: int
     seed: int = 0
+    # Store ||x|| / ||value[codes]||, so the reconstruction keeps the exact norm: Lloyd-Max shrinks
+    # vectors (E||x_hat||^2 = (1 - MSE) ||x||^2), which flattens attention. False: the paper's MSE quantizer.
+    norm_correction: bool = True
 
     @property
     def codebook(self) -> Codebook:
@@ -44,7 +47,7 @@ class Quantizer:
         return sign | mags
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (..., dim) -> (packed codes (..., record_bytes) uint8, norms (...) fp32)."""
+        """x (..., dim) -> (packed codes (..., record_bytes) uint8, stored norms (...) fp32)."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"expected vectors of dim {self.dim}, got shape {tuple(x.shape)}")
         xf = x.float()
@@ -52,7 +55,10 @@ class Quantizer:
         rotated = xf @ self.rotation(x.device).T
         # A zero vector has no direction: any code works since its norm scales it back to zero.
         y = rotated / torch.where(norms > 0, norms, 1.0).unsqueeze(-1)
-        return pack_codes(self.encode_rotated(y), self.bits), norms
+        codes = self.encode_rotated(y)
+        if self.norm_correction:  # no code is 0.0, so the reconstruction's norm is > 0
+            norms = norms / torch.linalg.vector_norm(self.code_values(x.device)[codes.long()], dim=-1)
+        return pack_codes(codes, self.bits), norms
 
     def dequantize_rotated(self, packed: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """The reconstruction in the rotated basis: norm * value[code], fp32."""

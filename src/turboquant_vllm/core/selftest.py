@@ -13,7 +13,7 @@ def measured_distortion(bits: int, dim: int = 128, num_vectors: int = 20000, see
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_vectors, dim, generator=gen)
     x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    q = Quantizer(bits, dim)
+    q = Quantizer(bits, dim, norm_correction=False)  # the paper's MSE-optimal reconstruction
     x_hat = q.dequantize(*q.quantize(x))
     return float(((x - x_hat) ** 2).sum(-1).mean())
 

@@ -28,7 +28,7 @@ def _constants(k_bits: int, v_bits: int, head_dim: int, device: torch.device) ->
     kq, vq = Quantizer(k_bits, head_dim), Quantizer(v_bits, head_dim)
     # Boundaries need one entry even at 1 bit, so the kernels always get a valid pointer.
     pad = lambda b: b if b.numel() else torch.zeros(1, device=device)  # noqa: E731
-    dtypes = (torch.float16, torch.bfloat16)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)  # fp32: the store's norm correction
     return KernelConstants(
         kq.rotation(device),
         pad(kq.boundaries(device)),

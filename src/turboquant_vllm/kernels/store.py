@@ -1,4 +1,4 @@
-"""Store: rotate, normalize, quantize and pack new keys/values into the paged cache.
+"""Store: rotate, normalize, quantize, pack and norm-correct new keys/values into the paged cache.
 
 Reference: turboquant_vllm.core.reference.store_kv_reference (bit-exact up to fp32 rounding of
 the rotation). One launch writes K and V: grid axis 2 picks which.
@@ -27,7 +27,7 @@ def _store_plane(cache_ptr, base, valid, code, PLANE_START: tl.constexpr, WIDTH:
 
 @triton.jit
 def _quantize_and_store(
-    src_ptr, stride_t, stride_h, rot_ptr, cache_ptr, page_base, slot_off, valid, bounds_ptr, head, tok,
+    src_ptr, stride_t, stride_h, rot_ptr, cache_ptr, page_base, slot_off, valid, bounds_ptr, values_ptr, head, tok,
     BITS: tl.constexpr, CODE_BYTES: tl.constexpr, CODE_OFF: tl.constexpr, NORM_OFF: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, NUM_HEADS: tl.constexpr,
 ):
@@ -43,6 +43,9 @@ def _quantize_and_store(
     for i in tl.static_range((1 << (BITS - 1)) - 1):
         mag += (tl.abs(y) > tl.load(bounds_ptr + i)).to(tl.int32)
     code = ((y < 0).to(tl.int32) << (BITS - 1)) | mag
+    # Norm correction (see core.quantizer): the stored norm gives the reconstruction the exact norm.
+    recon = tl.where(d_ok, tl.load(values_ptr + code), 0.0)
+    norm = norm / tl.sqrt(tl.maximum(tl.sum(recon * recon, axis=1), 1e-30))  # skipped rows: any finite value
     base = page_base + CODE_OFF + slot_off * CODE_BYTES  # (BLOCK_T,)
     if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
         _store_plane(cache_ptr, base, valid, code & 3, 0, 2, HEAD_DIM, D_PAD, BLOCK_T)
@@ -55,7 +58,7 @@ def _quantize_and_store(
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, rot_ptr, cache_ptr, slot_ptr, k_bounds_ptr, v_bounds_ptr,
+    key_ptr, value_ptr, rot_ptr, cache_ptr, slot_ptr, k_bounds_ptr, v_bounds_ptr, k_values_ptr, v_values_ptr,
     num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_cblock, stride_chead,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
@@ -71,12 +74,12 @@ def _store_kv_kernel(
     slot_off = safe % BLOCK_SIZE
     if tl.program_id(2) == 0:
         _quantize_and_store(key_ptr, stride_kt, stride_kh, rot_ptr, cache_ptr, page_base, slot_off, valid,
-                            k_bounds_ptr, head, tok, K_BITS, K_CODE_BYTES, 0, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T,
-                            NUM_HEADS)
+                            k_bounds_ptr, k_values_ptr, head, tok, K_BITS, K_CODE_BYTES, 0, K_NORM_OFF, HEAD_DIM,
+                            D_PAD, BLOCK_T, NUM_HEADS)
     else:
         _quantize_and_store(value_ptr, stride_vt, stride_vh, rot_ptr + num_tokens * NUM_HEADS * HEAD_DIM, cache_ptr,
-                            page_base, slot_off, valid, v_bounds_ptr, head, tok, V_BITS, V_CODE_BYTES, V_CODE_OFF,
-                            V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, NUM_HEADS)
+                            page_base, slot_off, valid, v_bounds_ptr, v_values_ptr, head, tok, V_BITS, V_CODE_BYTES,
+                            V_CODE_OFF, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, NUM_HEADS)
 
 
 def check_cache(kv_cache: torch.Tensor, layout: CacheLayout) -> None:
@@ -115,6 +118,7 @@ def store_kv(
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
     _store_kv_kernel[grid](
         key, value, rotated, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,
+        c.key_values[torch.float32], c.value_values[torch.float32],
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_T=block_t, BLOCK_SIZE=layout.block_size,
