@@ -69,6 +69,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # reference_lm (the pass-key format)
 RESULTS = ROOT / "benchmarks" / "results"
+CALIBRATED = "-cal"
 # kv name -> (attention backend, kv_cache_dtype, extra environment); bf16 first: it makes the KL reference
 KV = {
     "bf16": ("FLASH_ATTN", "auto", {}),
@@ -76,6 +77,9 @@ KV = {
     **{name: (None, name, {}) for name in
        ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")},
     **{name: ("CUSTOM", "auto", {"TURBOQUANT_PRESET": name}) for name in ("tq4", "tq3", "k4v3", "k3v2", "tq2")},
+    # ours with the key calibration of --key-calibration (core.calibration): same bytes, same preset
+    **{f"{name}{CALIBRATED}": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": name})
+       for name in ("tq4", "tq3", "k4v3", "k3v2", "tq2")},
 }
 ANCHORS = ("Published anchors (other models, not this one): vLLM's in-tree TurboQuant, WikiText-2 PPL vs bf16: "
            "turboquant_k8v4 +1.17%, turboquant_4bit_nc +2.71%, turboquant_k3v4_nc +10.6%, turboquant_3bit_nc "
@@ -152,7 +156,7 @@ def bytes_formula(kv: str, num_layers: int, head_dim: int) -> float:
         return (skipped * 4 * head_dim + (num_layers - skipped) * slot) / num_layers
     from turboquant_vllm.core.presets import get_preset
 
-    return get_preset(kv).bytes_per_token_per_head(head_dim)
+    return get_preset(kv.removesuffix(CALIBRATED)).bytes_per_token_per_head(head_dim)
 
 
 def pareto(points: list[tuple[float, float]]) -> list[int]:
@@ -310,6 +314,10 @@ def run(args) -> None:
     chosen = args.kv.split(",")
     unknown = set(chosen) - set(KV)
     assert not unknown, f"unknown KV caches {unknown}; choose from {', '.join(KV)}"
+    calibration = {}
+    if any(kv.endswith(CALIBRATED) for kv in chosen):
+        assert args.key_calibration, f"the {CALIBRATED} caches need --key-calibration"
+        calibration = {"TURBOQUANT_KEY_CALIBRATION": str(Path(args.key_calibration).resolve())}
     t0 = time.perf_counter()
     inp = prepare(args)
     (work / "inputs.json").write_text(json.dumps(inp))
@@ -325,11 +333,14 @@ def run(args) -> None:
         kl_prompt_len=args.kl_prompt_len.replace(",", "-"), kl_tokens=args.kl_tokens, needle_lengths=args.lengths,
         needle_depths=args.depths, needles_per_cell=args.needles, prefill_chunk=args.prefill_chunk,
         gpu_memory_utilization=args.gpu_memory_utilization, prepare_seconds=time.perf_counter() - t0))
+    if calibration:
+        doc["key_calibration"] = args.key_calibration
     log = out.with_suffix(".log")
     log.write_text("")
     for kv in [k for k in KV if k in chosen]:  # bf16 first: the others' KL needs its reference
         # max_model_len = context + 1 (see the docstring); collective_rpc ships layer_bytes (a function) to the worker
-        env = dict(os.environ, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", **KV[kv][2])
+        env = dict(os.environ, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", **KV[kv][2],
+                   **(calibration if kv.endswith(CALIBRATED) else {}))
         t = time.perf_counter()
         stdout, stderr, rc = child(kv, work, env, args.child_timeout)
         with log.open("a") as f:
@@ -467,6 +478,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=str(RESULTS / "quality.json"))
     ap.add_argument("--work", default="/tmp/turboquant_quality",
                     help="inputs and bf16's KL reference; keep it across --merge calls")
+    ap.add_argument("--key-calibration", help=f"key calibration file for the *{CALIBRATED} caches "
+                    "(turboquant-vllm calibrate)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in --out")
     ap.add_argument("--child-timeout", type=float, default=0, help="seconds per KV cache before it is killed (0: none)")
     ap.add_argument("--report", metavar="JSON", help="render JSON into quality.md / .png (no GPU)")

@@ -28,6 +28,14 @@ def test_demo_runs_the_kernels(capsys):
     assert "4.92x compression" in out and "relative error" in out
 
 
+def test_calibrate_rejects_unknown_preset_and_needs_text(capsys):
+    with pytest.raises(ValueError, match="tq4"):
+        main(["calibrate", "some/model", "--text", "a.txt", "--out", "k.safetensors", "--preset", "tq9"])
+    with pytest.raises(SystemExit):
+        main(["calibrate", "some/model", "--out", "k.safetensors"])
+    assert "--text" in capsys.readouterr().err
+
+
 def test_serve_rejects_unknown_preset():
     with pytest.raises(ValueError, match="tq4"):
         main(["serve", "some/model", "--preset", "tq9"])

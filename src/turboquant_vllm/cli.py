@@ -87,6 +87,19 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     os.execvpe(cmd[0], cmd + extra, env)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .core.presets import get_preset
+
+    get_preset(args.preset)
+    os.environ["TURBOQUANT_PRESET"] = args.preset
+    from .vllm.calibrate import calibrate
+
+    calibrate(args.model, args.text, args.out, max_tokens=args.tokens, window=args.window,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    print(f"serve with: TURBOQUANT_KEY_CALIBRATION={args.out} turboquant-vllm serve {args.model} --preset {args.preset}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="turboquant-vllm", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -101,12 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="vllm serve MODEL --attention-backend CUSTOM with a preset (extra args go to vLLM)")
     s.add_argument("model")
     s.add_argument("--preset", default="tq4")
+    c = sub.add_parser("calibrate", help="fit a key calibration (mean and scale per layer and KV head) on text")
+    c.add_argument("model")
+    c.add_argument("--text", nargs="+", required=True, help="text files or directories of *.txt")
+    c.add_argument("--out", required=True, help="the .safetensors file to write")
+    c.add_argument("--tokens", type=int, default=262_144, help="calibration tokens at most")
+    c.add_argument("--window", type=int, default=2048, help="tokens per prompt")
+    c.add_argument("--preset", default="tq4", help="the cache the calibration run stores into")
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args, extra = ap.parse_known_args(argv)
     if args.command == "serve":
         return cmd_serve(args, extra)
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    return {"verify": cmd_verify, "demo": cmd_demo}[args.command](args)
+    return {"verify": cmd_verify, "demo": cmd_demo, "calibrate": cmd_calibrate}[args.command](args)
 
 
 if __name__ == "__main__":

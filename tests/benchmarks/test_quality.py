@@ -102,6 +102,7 @@ def test_needle_prompts_place_the_key():
 def test_bytes_per_token():
     assert {kv: quality.bytes_formula(kv, 16, 128) for kv in ("bf16", "fp8", "tq4", "tq3", "k4v3", "k3v2", "tq2")} == {
         "bf16": 512, "fp8": 256, "tq4": 136, "tq3": 104, "k4v3": 120, "k3v2": 88, "tq2": 72}
+    assert quality.bytes_formula("tq3-cal", 16, 128) == 104  # a key calibration costs no bytes per token
 
 
 def test_bytes_per_token_of_vllm_turboquant():

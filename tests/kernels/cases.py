@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from turboquant_vllm.core.calibration import KeyCalibration
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 
@@ -46,3 +47,10 @@ def make_paged_batch(gen, preset, head_dim, kv_heads, block_size, seq_lens, dtyp
         layout, cache.to(device), table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
         keys.to(dtype).to(device), values.to(dtype).to(device), torch.cat(slots).to(device),
     )
+
+
+def random_calibration(gen, kv_heads: int, head_dim: int, device) -> KeyCalibration:
+    """A key calibration with a real mean offset and scales spread over 1/4 .. 4."""
+    mean = torch.randn(kv_heads, head_dim, generator=gen)
+    scale = torch.exp(torch.empty(kv_heads, head_dim).uniform_(-1.4, 1.4, generator=gen))
+    return KeyCalibration(mean, scale).to(device)

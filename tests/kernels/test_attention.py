@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE, FULL_MATRIX
-from tests.kernels.cases import make_paged_batch
+from tests.kernels.cases import make_paged_batch, random_calibration
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.reference import paged_attention_reference, store_kv_reference
 from turboquant_vllm.kernels import attention_workspace_shape, paged_attention
@@ -42,6 +42,7 @@ def draw_case(i: int) -> dict:
         window=rng.choice([None] * 4 + [rng.randint(1, 300)]),
         softcap=rng.choice([None] * 4 + [rng.uniform(5, 50)]),
         num_splits=rng.choice([None, None, 1, 3, 8]),
+        calibrated=i % 5 == 2,
     )
 
 
@@ -49,7 +50,8 @@ def run_case(case, seed):
     gen = torch.Generator().manual_seed(seed)
     b = make_paged_batch(gen, case["preset"], case["head_dim"], case["kv_heads"], case["block_size"],
                          case["seq_lens"], case["dtype"], DEVICE)
-    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout)
+    cal = random_calibration(gen, case["kv_heads"], case["head_dim"], DEVICE) if case["calibrated"] else None
+    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout, cal)
     q_lens = case["q_lens"]
     qsl = torch.tensor([0] + list(accumulate(q_lens)), dtype=torch.int32, device=DEVICE)
     n_q = sum(q_lens)
@@ -59,9 +61,9 @@ def run_case(case, seed):
     out = torch.full_like(query, float("nan"))
     paged_attention(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=max(q_lens),
                     scale=scale, out=out, sliding_window=case["window"], softcap=case["softcap"],
-                    num_splits=case["num_splits"])
+                    num_splits=case["num_splits"], key_calibration=cal)
     ref = paged_attention_reference(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, scale,
-                                    case["window"], case["softcap"])
+                                    case["window"], case["softcap"], cal)
     return out, ref
 
 
@@ -77,7 +79,8 @@ def test_attention_matches_reference(i):
 def test_matrix_covers_the_axes():
     cases = [draw_case(i) for i in range(NUM_CASES)]
     for key, wanted in [("head_dim", {64, 96, 128, 256}), ("group", {1, 4, 8}), ("block_size", {16, 32}),
-                        ("dtype", {torch.float16, torch.bfloat16}), ("preset", set(PRESETS))]:
+                        ("dtype", {torch.float16, torch.bfloat16}), ("preset", set(PRESETS)),
+                        ("calibrated", {False, True})]:
         assert {c[key] for c in cases} == wanted, key
     assert max(max(c["seq_lens"]) for c in cases) > MAX_CONTEXT // 2
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.kernels.cases import make_paged_batch
+from tests.kernels.cases import make_paged_batch, random_calibration
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.quantizer import Quantizer
 from turboquant_vllm.core.reference import store_kv_reference
@@ -23,15 +23,17 @@ def near_boundary_bytes(x, layout, bits, eps=1e-5):
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_store_matches_reference(preset, head_dim, dtype):
-    gen = torch.Generator().manual_seed(hash((preset, head_dim, str(dtype))) % 2**31)
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_store_matches_reference(preset, head_dim, dtype, calibrated):
+    gen = torch.Generator().manual_seed(hash((preset, head_dim, str(dtype), calibrated)) % 2**31)
     block_size = [16, 32][head_dim % 3 == 0]
     batch = make_paged_batch(gen, preset, head_dim, 2, block_size, [37, 5], dtype, DEVICE)
+    cal = random_calibration(gen, 2, head_dim, DEVICE) if calibrated else None
     slots = batch.slot_mapping.clone()
     slots[3] = -1  # skipped token: its slot keeps the poison
     ours, ref = batch.kv_cache.clone(), batch.kv_cache.clone()
-    store_kv(batch.keys, batch.values, ours, slots, batch.layout)
-    store_kv_reference(batch.keys, batch.values, ref, slots, batch.layout)
+    store_kv(batch.keys, batch.values, ours, slots, batch.layout, cal)
+    store_kv_reference(batch.keys, batch.values, ref, slots, batch.layout, cal)
     lay = batch.layout
     codes = torch.ones(lay.head_page_bytes, dtype=torch.bool, device=ours.device)
     codes[lay.key_norm_offset : lay.value_code_offset] = False
@@ -39,7 +41,8 @@ def test_store_matches_reference(preset, head_dim, dtype):
     diff = (ours != ref)[:, :, codes]
     if diff.any():
         # A differing code must belong to a coordinate within fp32 rounding of a decision boundary.
-        loose = near_boundary_bytes(batch.keys, lay, lay.preset.k_bits).any() or near_boundary_bytes(
+        keys = batch.keys if cal is None else cal.keys(batch.keys)
+        loose = near_boundary_bytes(keys, lay, lay.preset.k_bits).any() or near_boundary_bytes(
             batch.values, lay, lay.preset.v_bits
         ).any()
         assert loose, f"{int(diff.sum())} code bytes differ with no coordinate near a boundary"

@@ -26,7 +26,11 @@ def clean_preset_state(monkeypatch):
 
     monkeypatch.delenv(PRESET_ENV, raising=False)
     monkeypatch.delenv("TURBOQUANT_ALLOW_UNSUPPORTED_VLLM", raising=False)
+    monkeypatch.delenv("TURBOQUANT_KEY_CALIBRATION", raising=False)
+    monkeypatch.delenv("TURBOQUANT_COLLECT_KEY_STATISTICS", raising=False)
     monkeypatch.setattr(backend, "_process_preset", None)
+    backend._read_calibration.cache_clear()
+    backend.key_statistics.clear()
 
 
 @pytest.fixture

@@ -8,25 +8,40 @@ import pytest
 import torch
 
 from tests.vllm.conftest import make_builder, make_cam, make_layers
+from turboquant_vllm.core.calibration import KeyCalibration, save_calibration
 from turboquant_vllm.core.reference import paged_attention_reference
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend, layout_of_cache
+from turboquant_vllm.vllm.backend import TQ4AttentionBackend, key_statistics, layout_of_cache, rank_kv_heads
 
 BLOCK = 16
 Q_HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 
 
+def write_calibration(path, layer_names, kv_heads=KV_HEADS, head_dim=HEAD_DIM, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    save_calibration(path, {n: KeyCalibration(torch.randn(kv_heads, head_dim, generator=gen),
+                                              torch.rand(kv_heads, head_dim, generator=gen) * 2 + 0.25)
+                            for n in layer_names})
+    return str(path)
+
+
 @pytest.mark.parametrize(
-    "layer_kwargs",
-    [{}, {"per_layer_sliding_window": 8, "logits_soft_cap": 30.0}],
-    ids=["plain", "window+softcap"],
+    "layer_kwargs, calibrated",
+    [({}, False), ({"per_layer_sliding_window": 8, "logits_soft_cap": 30.0}, False), ({}, True)],
+    ids=["plain", "window+softcap", "key-calibration"],
 )
 @pytest.mark.parametrize("preset", ["tq4", "k3v2"])
-def test_mixed_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatch, preset, layer_kwargs):
+def test_mixed_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatch, tmp_path, preset,
+                                      layer_kwargs, calibrated):
     monkeypatch.setenv("TURBOQUANT_PRESET", preset)
+    if calibrated:
+        path = write_calibration(tmp_path / "keys.safetensors", ["model.layers.0.self_attn.attn"])
+        monkeypatch.setenv("TURBOQUANT_KEY_CALIBRATION", path)
     gen = torch.Generator().manual_seed(0)
     (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
                            **layer_kwargs)
     impl = layer.impl
+    impl.process_weights_after_loading(torch.bfloat16)
+    assert (impl.key_calibration is not None) == calibrated
     builder = make_builder(vllm_config, [layer.layer_name], kv_heads=KV_HEADS, head_size=HEAD_DIM)
 
     # decode, decode, chunked-prefill continuation, fresh prefill
@@ -73,9 +88,72 @@ def test_mixed_step_matches_reference(vllm_config, workspace, bf16_default, monk
     layout = layout_of_cache(impl.preset, HEAD_DIM, kv_cache)
     expected = paged_attention_reference(
         query[:n_real], kv_cache, layout, block_table, cam.query_start_loc, cam.seq_lens, impl.scale,
-        sliding_window=impl.sliding_window, softcap=impl.softcap,
+        sliding_window=impl.sliding_window, softcap=impl.softcap, key_calibration=impl.key_calibration,
     )
     torch.testing.assert_close(output[:n_real].float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_each_layer_takes_its_own_calibration(vllm_config, monkeypatch, tmp_path):
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    path = write_calibration(tmp_path / "keys.safetensors", names)
+    monkeypatch.setenv("TURBOQUANT_KEY_CALIBRATION", path)
+    layers = make_layers(vllm_config, 3, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    from turboquant_vllm.core.calibration import load_calibration
+
+    saved = load_calibration(path)
+    for layer in layers:
+        layer.impl.process_weights_after_loading(torch.bfloat16)
+        assert torch.equal(layer.impl.key_calibration.mean, saved[layer.layer_name].mean)
+
+
+def test_calibration_of_another_model_is_refused(vllm_config, monkeypatch, tmp_path):
+    monkeypatch.setenv("TURBOQUANT_KEY_CALIBRATION", write_calibration(tmp_path / "a.safetensors", ["other.attn"]))
+    (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    with pytest.raises(ValueError, match="no layer 'model.layers.0.self_attn.attn'.*turboquant-vllm calibrate"):
+        layer.impl.process_weights_after_loading(torch.bfloat16)
+    path = write_calibration(tmp_path / "b.safetensors", ["model.layers.1.self_attn.attn"], kv_heads=4)
+    monkeypatch.setenv("TURBOQUANT_KEY_CALIBRATION", path)
+    (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, first=1)
+    with pytest.raises(ValueError, match="has 4 KV heads of dim 64.*serves 2"):
+        layer.impl.process_weights_after_loading(torch.bfloat16)
+
+
+def test_calibration_is_refused_with_softcap_and_missing_files(vllm_config, monkeypatch, tmp_path):
+    monkeypatch.setenv("TURBOQUANT_KEY_CALIBRATION", str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match="does not exist"):
+        make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    path = write_calibration(tmp_path / "keys.safetensors", ["model.layers.1.self_attn.attn"])
+    monkeypatch.setenv("TURBOQUANT_KEY_CALIBRATION", path)
+    with pytest.raises(ValueError, match="soft-cap"):
+        make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, first=1,
+                    logits_soft_cap=30.0)
+
+
+def test_tensor_parallel_ranks_take_their_heads():
+    assert [rank_kv_heads(8, 2, r) for r in range(2)] == [(0, 4), (4, 4)]
+    assert [rank_kv_heads(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]  # replicated
+    assert rank_kv_heads(4, 1, 0) == (0, 4)
+
+
+def test_collecting_sums_real_tokens_only(vllm_config, workspace, bf16_default, monkeypatch):
+    """turboquant-vllm calibrate's mode: keys of stored tokens (no skipped slot, no padding), queries of real tokens."""
+    monkeypatch.setenv("TURBOQUANT_COLLECT_KEY_STATISTICS", "1")
+    (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    layer.impl.process_weights_after_loading(torch.bfloat16)
+    builder = make_builder(vllm_config, [layer.layer_name], kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    kv_cache = torch.zeros(TQ4AttentionBackend.get_kv_cache_shape(4, BLOCK, KV_HEADS, HEAD_DIM), dtype=torch.uint8)
+    q, k = torch.randn(12, Q_HEADS, HEAD_DIM), torch.randn(12, KV_HEADS, HEAD_DIM)
+    slots = torch.arange(10, dtype=torch.int64)
+    slots[4] = -1  # a skipped token
+    layer.impl.do_kv_cache_update(layer, k.bfloat16(), k.bfloat16(), kv_cache, slots)  # 12 tokens, 10 slots
+    cam = make_cam([10], [10], num_actual_tokens=10, block_table=torch.tensor([[0]], dtype=torch.int32),
+                   slot_mapping=slots)
+    out = torch.empty(12, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    layer.impl.forward(layer, q.bfloat16(), k, k, kv_cache, builder.build(0, cam), output=out)
+    stats = key_statistics[layer.layer_name]
+    kept = torch.cat([k[:4], k[5:10]]).bfloat16().double()
+    assert stats.key_count == 9 and stats.query_count == 10 * Q_HEADS // KV_HEADS
+    torch.testing.assert_close(stats.key_sum, kept.sum(0))
 
 
 def test_profiling_run_without_metadata_zeroes_the_output(vllm_config, bf16_default):

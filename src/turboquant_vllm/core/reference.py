@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .calibration import KeyCalibration
 from .layout import CacheLayout
 from .presets import NORM_BYTES
 from .quantizer import Quantizer
@@ -23,10 +24,15 @@ def _norm_bytes(norms: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv_reference(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: CacheLayout
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: CacheLayout,
+    key_calibration: KeyCalibration | None = None,
 ) -> None:
-    """Quantize key/value (tokens, kv_heads, head_dim) and write each token into its slot (-1: skip)."""
+    """Quantize key/value (tokens, kv_heads, head_dim) and write each token into its slot (-1: skip).
+
+    With a key calibration the cache holds the calibrated keys (key - mean) / scale."""
     kq, vq = quantizers(layout)
+    if key_calibration is not None:
+        key = key_calibration.keys(key)
     k_codes, k_norms = kq.quantize(key)
     v_codes, v_norms = vq.quantize(value)
     keep = slot_mapping[: key.shape[0]] >= 0
@@ -87,12 +93,16 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    key_calibration: KeyCalibration | None = None,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, fp32.
 
     The query tokens of sequence i are the last ones of its seq_lens[i] tokens (vLLM's varlen
-    convention); the cache already holds all of them.
+    convention); the cache already holds all of them. With the key calibration the cache was stored
+    with, queries are scaled to match the calibrated keys (see core.calibration).
     """
+    if key_calibration is not None:
+        query = key_calibration.queries(query)
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     group = query.shape[1] // layout.num_kv_heads
     starts = query_start_loc.tolist()

@@ -1,9 +1,10 @@
 """Triton kernels over the compressed paged KV cache; each names its reference in core/."""
 
-from .attention import attention_workspace_shape, default_num_splits, paged_attention
+from .attention import attention_workspace_shape, default_num_splits, paged_attention, rotate_queries
 from .dequant import dequantize_pages
 from .store import store_kv
 
 __all__ = [
-    "attention_workspace_shape", "default_num_splits", "dequantize_pages", "paged_attention", "store_kv",
+    "attention_workspace_shape", "default_num_splits", "dequantize_pages", "paged_attention", "rotate_queries",
+    "store_kv",
 ]

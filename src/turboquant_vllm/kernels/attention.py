@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
 from .common import INTERPRETED, check_dtype, check_index, load_halves, next_pow2
 from .constants import kernel_constants
-from .store import check_cache
+from .store import check_cache, check_calibration
 
 NUM_SMS_DEFAULT = 132
 
@@ -184,6 +185,15 @@ def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, 
     return (rows * head_dim + partials,)
 
 
+def rotate_queries(
+    query: torch.Tensor, rotation: torch.Tensor, scale: float, key_calibration: KeyCalibration | None
+) -> torch.Tensor:
+    """Queries into the cache's rotated basis, once, with the softmax scale (and the key calibration's
+    scale) folded in: the inner loops then work on codes directly. fp32."""
+    q = query.float() if key_calibration is None else key_calibration.queries(query)
+    return (q @ rotation.T) * scale
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -202,8 +212,10 @@ def paged_attention(
     block_n: int = 128,
     num_warps: int = 4,
     num_stages: int = 3,
+    key_calibration: KeyCalibration | None = None,
 ) -> torch.Tensor:
-    """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out."""
+    """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
+    key_calibration: the one the pages' keys were stored with (see core.calibration)."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)
     check_cache(kv_cache, layout)
@@ -238,10 +250,11 @@ def paged_attention(
     part_acc = workspace[rows * head_dim : rows * head_dim + rows * num_splits * head_dim]
     part_ml = workspace[rows * head_dim + rows * num_splits * head_dim : need]
 
+    if key_calibration is not None:
+        check_calibration(key_calibration, layout)
     c = kernel_constants(layout, query.device)
-    # Rotate the queries once, folding in the softmax scale; the inner loop then works in the rotated basis.
     # MMA operands are fp16 whatever the model dtype: 3 more mantissa bits than bf16, same speed.
-    q_rot = ((query.float() @ c.rotation.T) * scale).to(torch.float16)
+    q_rot = rotate_queries(query, c.rotation, scale, key_calibration).to(torch.float16)
     grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
     _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
         q_rot, kv_cache, block_table, query_start_loc, seq_lens, c.key_values[torch.float16], c.value_values[torch.float16],

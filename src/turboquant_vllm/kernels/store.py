@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
 from .common import check_dtype, check_index, codes_to_plane_bytes, next_pow2
 from .constants import kernel_constants
@@ -92,10 +93,19 @@ def check_cache(kv_cache: torch.Tensor, layout: CacheLayout) -> None:
         raise ValueError("each block of kv_cache must be contiguous")
 
 
+def check_calibration(key_calibration: KeyCalibration, layout: CacheLayout) -> None:
+    expected = (layout.num_kv_heads, layout.head_dim)
+    if tuple(key_calibration.mean.shape) != expected:
+        raise ValueError(f"key calibration is for (kv_heads, head_dim) {tuple(key_calibration.mean.shape)}, the cache "
+                         f"for {expected}")
+
+
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: CacheLayout
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: CacheLayout,
+    key_calibration: KeyCalibration | None = None,
 ) -> None:
-    """Quantize key/value (tokens, kv_heads, head_dim) into their slots of the paged cache (-1: skip)."""
+    """Quantize key/value (tokens, kv_heads, head_dim) into their slots of the paged cache (-1: skip);
+    with a key calibration, the keys (key - mean) / scale (see core.calibration)."""
     expected = (key.shape[0], layout.num_kv_heads, layout.head_dim)
     if tuple(key.shape) != expected or tuple(value.shape) != expected:
         raise ValueError(f"key and value must have shape {expected}, got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -110,10 +120,13 @@ def store_kv(
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
+    if key_calibration is not None:
+        check_calibration(key_calibration, layout)
+        key = key_calibration.keys(key)
     c = kernel_constants(layout, key.device)
     # The rotation is one fp32 GEMM for K and V together, the same product the reference computes;
     # the kernel then normalizes, quantizes, packs and scatters into the pages.
-    rotated = torch.stack((key, value)).float() @ c.rotation.T  # (2, tokens, kv_heads, head_dim)
+    rotated = torch.stack((key.float(), value.float())) @ c.rotation.T  # (2, tokens, kv_heads, head_dim)
     block_t = 16  # small tiles: a decode step's few tokens still spread over many programs
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
     _store_kv_kernel[grid](

@@ -11,7 +11,8 @@ selects it (``TQ4AttentionBackend`` below resolves lazily).
 
 The preset comes from ``--additional-config '{"turboquant_preset": "tq3"}'`` or from the
 environment variable ``TURBOQUANT_PRESET`` (default ``tq4``); giving both with different values
-is an error.
+is an error. A key calibration file (``turboquant-vllm calibrate``, see core.calibration) comes
+the same way: ``turboquant_key_calibration`` or ``TURBOQUANT_KEY_CALIBRATION``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,20 @@ if TYPE_CHECKING:
     from ..core.presets import Preset
     from .backend import TQ4AttentionBackend
 
-__all__ = ["BACKEND_PATH", "PRESET_CONFIG_KEY", "PRESET_ENV", "TQ4AttentionBackend", "register", "resolve_preset"]
+__all__ = [
+    "BACKEND_PATH", "CALIBRATION_CONFIG_KEY", "CALIBRATION_ENV", "PRESET_CONFIG_KEY", "PRESET_ENV",
+    "TQ4AttentionBackend", "register", "resolve_calibration_path", "resolve_preset",
+]
 
 # The path vLLM resolves for AttentionBackendEnum.CUSTOM. It names this package, not the
 # backend module, so that the version gate below runs before any version-specific import.
 BACKEND_PATH = "turboquant_vllm.vllm.TQ4AttentionBackend"
 PRESET_ENV = "TURBOQUANT_PRESET"
 PRESET_CONFIG_KEY = "turboquant_preset"  # key of vLLM's --additional-config
+CALIBRATION_ENV = "TURBOQUANT_KEY_CALIBRATION"
+CALIBRATION_CONFIG_KEY = "turboquant_key_calibration"
+# Set by `turboquant-vllm calibrate` only: the backend then sums key/query statistics per layer.
+COLLECT_ENV = "TURBOQUANT_COLLECT_KEY_STATISTICS"
 
 # A child of vLLM's "vllm" logger, so our lines come out through vLLM's handler and format.
 logger = logging.getLogger("vllm.turboquant_vllm")
@@ -67,11 +75,7 @@ def resolve_preset(vllm_config: Any | None = None) -> "Preset":
     """The preset this process serves with: ``--additional-config`` key, else ``TURBOQUANT_PRESET``, else tq4."""
     from ..core.presets import DEFAULT_PRESET, get_preset
 
-    env_value = os.environ.get(PRESET_ENV, "").strip()
-    config_value = None
-    extra = getattr(vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and extra.get(PRESET_CONFIG_KEY) is not None:
-        config_value = str(extra[PRESET_CONFIG_KEY]).strip()
+    config_value, env_value = _setting(vllm_config, PRESET_CONFIG_KEY, PRESET_ENV)
     try:
         if config_value and env_value and get_preset(config_value) != get_preset(env_value):
             raise ValueError(
@@ -82,6 +86,25 @@ def resolve_preset(vllm_config: Any | None = None) -> "Preset":
     except ValueError as exc:
         source = f"--additional-config {PRESET_CONFIG_KEY}" if config_value else PRESET_ENV
         raise ValueError(f"{source}: {exc}") from None
+
+
+def _setting(vllm_config: Any | None, config_key: str, env: str) -> tuple[str | None, str | None]:
+    extra = getattr(vllm_config, "additional_config", None)
+    config_value = None
+    if isinstance(extra, dict) and extra.get(config_key) is not None:
+        config_value = str(extra[config_key]).strip() or None
+    return config_value, os.environ.get(env, "").strip() or None
+
+
+def resolve_calibration_path(vllm_config: Any | None = None) -> str | None:
+    """The key calibration file: ``--additional-config`` key, else ``TURBOQUANT_KEY_CALIBRATION``, else none."""
+    config_value, env_value = _setting(vllm_config, CALIBRATION_CONFIG_KEY, CALIBRATION_ENV)
+    if config_value and env_value and os.path.abspath(config_value) != os.path.abspath(env_value):
+        raise ValueError(
+            f"TurboQuant key calibration given twice: --additional-config {CALIBRATION_CONFIG_KEY}={config_value!r} "
+            f"and {CALIBRATION_ENV}={env_value!r}; keep one of them"
+        )
+    return config_value or env_value
 
 
 def __getattr__(name: str) -> Any:

@@ -14,19 +14,23 @@ One file, vLLM-style: backend class, metadata, metadata builder, impl.
   the batch shape, so replays see new data at the same addresses.
 - Scratch: one fp32 buffer from vLLM's workspace manager, shared by every layer, reserved at its
   maximum when the first layer is built (before memory profiling and CUDA-graph capture).
+- Key calibration (optional, core.calibration): each layer takes its mean and scale from the file
+  once its weights are loaded, sliced to its tensor-parallel rank's KV heads.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from ..core.calibration import KeyCalibration, KeyStatistics, load_calibration
 from ..core.layout import MAX_HEAD_DIM, MIN_HEAD_DIM, CacheLayout
 from ..core.presets import DEFAULT_PRESET, Preset, get_preset
-from . import compat, logger, resolve_preset
+from . import CALIBRATION_ENV, COLLECT_ENV, compat, logger, resolve_calibration_path, resolve_preset
 from .compat import (
     AttentionBackend,
     AttentionCGSupport,
@@ -59,17 +63,17 @@ def dense_prefill_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, layout: CacheLayout, block_table: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_k: torch.Tensor, *, total_k: int,
     max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None, softcap: float | None,
-    out: torch.Tensor,
+    out: torch.Tensor, key_calibration: KeyCalibration | None = None,
 ) -> None:
     """Attention over the compressed pages for long prefills: expand the sequences' context once
     (exact cache values, rotated basis), then FlashAttention; the same result as paged_attention."""
-    from ..kernels import dequantize_pages
+    from ..kernels import dequantize_pages, rotate_queries
     from ..kernels.constants import kernel_constants
 
     flash, version = compat.flash_attn_varlen()
     rotation = kernel_constants(layout, query.device).rotation
     k, v = dequantize_pages(kv_cache, layout, block_table, seq_lens, cu_seqlens_k, total_k, max_seq_len, query.dtype)
-    q = (query.float() @ rotation.T).to(query.dtype)
+    q = rotate_queries(query, rotation, 1.0, key_calibration).to(query.dtype)
     window = [sliding_window - 1, 0] if sliding_window else [-1, -1]
     o = flash(q, k, v, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc, max_seqlen_k=max_seq_len,
               cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=True, window_size=window,
@@ -127,6 +131,40 @@ def layout_of_cache(preset: Preset, head_dim: int, kv_cache: torch.Tensor) -> Ca
             f"head_dim {head_dim} ({per_token} B per token per head)"
         )
     return _layout(preset, head_dim, kv_cache.shape[1], head_page_bytes // per_token)
+
+
+# ---------------------------------------------------------------------------------------------
+# Key calibration: read once per process, sliced per layer and rank; statistics for calibrate.
+# ---------------------------------------------------------------------------------------------
+_read_calibration = functools.lru_cache(maxsize=None)(load_calibration)
+key_statistics: dict[str, KeyStatistics] = {}  # layer name -> sums, while COLLECT_ENV is set
+
+
+def rank_kv_heads(total: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """(first, count) of the KV heads a tensor-parallel rank holds; vLLM replicates them when total < tp_size."""
+    if total >= tp_size:
+        return rank * (total // tp_size), total // tp_size
+    return rank * total // tp_size, 1
+
+
+def layer_calibration(path: str, layer_name: str, num_kv_heads: int, head_dim: int) -> KeyCalibration:
+    """This rank's part of layer_name's key calibration in the file at path."""
+    layers = _read_calibration(path)
+    if layer_name not in layers:
+        raise ValueError(
+            f"key calibration {path} has no layer {layer_name!r} (it has {len(layers)}, e.g. {next(iter(layers))!r}); "
+            f"it was made for another model: run `turboquant-vllm calibrate` for this one, or unset {CALIBRATION_ENV}"
+        )
+    cal = layers[layer_name]
+    rank, tp_size = compat.tensor_parallel_rank()
+    first, count = rank_kv_heads(cal.num_kv_heads, tp_size, rank)
+    if cal.head_dim != head_dim or count != num_kv_heads:
+        raise ValueError(
+            f"key calibration {path} has {cal.num_kv_heads} KV heads of dim {cal.head_dim} for {layer_name}, but this "
+            f"rank serves {num_kv_heads} of dim {head_dim} (tensor parallel size {tp_size}); it was made for another "
+            "model: run `turboquant-vllm calibrate` for this one"
+        )
+    return cal.heads(first, count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,14 +537,39 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         # Reserved here, during model construction, so vLLM's memory profile counts the scratch
         # before it sizes the KV cache; every later layer finds it big enough.
         reserve_workspace(vllm_config, num_heads, self.num_kv_heads, head_size)
+        self.vllm_config = vllm_config
+        self.collect_statistics = os.environ.get(COLLECT_ENV) == "1"
+        self.calibration_path = resolve_calibration_path(vllm_config)
+        if self.calibration_path:
+            if self.softcap:
+                raise ValueError(
+                    f"a key calibration is exact only without a logit soft-cap, and this model caps logits at "
+                    f"{self.softcap}; unset {CALIBRATION_ENV} (and --additional-config turboquant_key_calibration)"
+                )
+            _read_calibration(self.calibration_path)  # a missing or foreign file fails now, at startup
+        self.layer_name: str | None = None
+        self.key_calibration: KeyCalibration | None = None  # set once the layer is known (weights loaded)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if self.calibration_path or self.collect_statistics:
+            # Every layer is registered by now, so the forward context names this one.
+            self.layer_name = compat.layer_name_of(self, self.vllm_config)
+        if self.calibration_path:
+            self.key_calibration = layer_calibration(
+                self.calibration_path, self.layer_name, self.num_kv_heads, self.head_size).to(device)
+            if ("calibration", self.calibration_path) not in _logged:
+                _logged.add(("calibration", self.calibration_path))
+                logger.info("TurboQuant key calibration: %s", self.calibration_path)
         # Build the kernels' device tables (rotation, codebooks) now, never inside a graph capture.
-        if torch.cuda.is_available():
+        if device.type == "cuda":
             from ..kernels.constants import kernel_constants
 
             layout = _layout(self.preset, self.head_size, self.num_kv_heads, KERNEL_BLOCK_MULTIPLE)
-            kernel_constants(layout, torch.device("cuda", torch.cuda.current_device()))
+            kernel_constants(layout, device)
+
+    def _statistics(self) -> KeyStatistics:
+        return key_statistics.setdefault(self.layer_name, KeyStatistics(self.num_kv_heads, self.head_size))
 
     def do_kv_cache_update(
         self,
@@ -522,7 +585,10 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
 
         # key/value may be padded past the real tokens; slot_mapping is not.
         n = min(slot_mapping.shape[0], key.shape[0])
-        store_kv(key[:n], value[:n], kv_cache, slot_mapping, layout_of_cache(self.preset, self.head_size, kv_cache))
+        if self.collect_statistics:
+            self._statistics().add_keys(key[:n][slot_mapping[:n] >= 0])
+        store_kv(key[:n], value[:n], kv_cache, slot_mapping, layout_of_cache(self.preset, self.head_size, kv_cache),
+                 self.key_calibration)
 
     def forward(
         self,
@@ -545,8 +611,10 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
 
         md = attn_metadata
         layout = layout_of_cache(self.preset, self.head_size, kv_cache)
+        if self.collect_statistics:
+            self._statistics().add_queries(query[: md.num_actual_tokens])
         common = dict(scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap,
-                      workspace=md.workspace)
+                      workspace=md.workspace, key_calibration=self.key_calibration)
         if md.num_decodes:
             nd = md.num_decode_tokens
             paged_attention(
@@ -559,7 +627,8 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
                 query[lo:hi], kv_cache, layout, md.prefill_block_table, md.prefill_query_start_loc,
                 md.prefill_seq_lens, md.prefill_cu_seqlens_k, total_k=md.prefill_total_k,
                 max_query_len=md.prefill_max_query_len, max_seq_len=md.prefill_max_seq_len, scale=self.scale,
-                sliding_window=self.sliding_window, softcap=self.softcap, out=output[lo:hi])
+                sliding_window=self.sliding_window, softcap=self.softcap, out=output[lo:hi],
+                key_calibration=self.key_calibration)
         elif md.num_prefills:
             lo, hi = md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
             paged_attention(

@@ -117,8 +117,10 @@ __all__ = [
     "config_problems",
     "current_vllm_config",
     "install_kv_cache_spec_hook",
+    "layer_name_of",
     "num_compute_units",
     "num_q_heads_of_layers",
+    "tensor_parallel_rank",
     "workspace_manager",
 ]
 
@@ -134,6 +136,23 @@ def num_q_heads_of_layers(vllm_config: Any, layer_names: list[str]) -> int:
     if heads:
         return heads
     return vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+
+
+def layer_name_of(impl: Any, vllm_config: Any) -> str:
+    """The name vLLM registered the attention layer owning impl under (its static forward context)."""
+    for name, layer in vllm_config.compilation_config.static_forward_context.items():
+        if getattr(layer, "impl", None) is impl:
+            return name
+    raise LookupError("attention layer not found in vLLM's forward context")
+
+
+def tensor_parallel_rank() -> tuple[int, int]:
+    """(rank, world size) of tensor parallelism; (0, 1) outside a distributed run."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
 def workspace_manager() -> Any | None:
