@@ -392,7 +392,9 @@ def markdown(doc: dict) -> str:
         "bytes/token/head: K+V per token per KV head, averaged over layers as vLLM allocates the pages; "
         "the in-tree turboquant_* keep the first and last 2 layers in bf16 (512 B).",
         ANCHORS,
-    ] + [f"{r['kv']} failed: `{r['error'].splitlines()[-1]}`" for r in rows if "error" in r]
+    ] + ([f"*{CALIBRATED}: the same preset with the key calibration `{doc['key_calibration']}` (core.calibration: "
+          "keys cached as (k - mean) / scale, queries times scale; no bytes per token)."]
+         if doc.get("key_calibration") else []) + [f"{r['kv']} failed: `{r['error'].splitlines()[-1]}`" for r in rows if "error" in r]
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
 
 
