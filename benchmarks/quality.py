@@ -67,8 +67,11 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # reference_lm (the pass-key format)
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # reference_lm (the pass-key format), this checkout's package
 RESULTS = ROOT / "benchmarks" / "results"
+
+from turboquant_vllm.core.presets import PRESETS  # noqa: E402  (ours, in table order)
+
 CALIBRATED = "-cal"
 # kv name -> (attention backend, kv_cache_dtype, extra environment); bf16 first: it makes the KL reference
 KV = {
@@ -76,10 +79,9 @@ KV = {
     "fp8": ("FLASH_ATTN", "fp8", {}),
     **{name: (None, name, {}) for name in
        ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")},
-    **{name: ("CUSTOM", "auto", {"TURBOQUANT_PRESET": name}) for name in ("tq4", "tq3", "k4v3", "k3v2", "tq2")},
+    **{name: ("CUSTOM", "auto", {"TURBOQUANT_PRESET": name}) for name in PRESETS},
     # ours with the key calibration of --key-calibration (core.calibration): same bytes, same preset
-    **{f"{name}{CALIBRATED}": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": name})
-       for name in ("tq4", "tq3", "k4v3", "k3v2", "tq2")},
+    **{f"{name}{CALIBRATED}": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": name}) for name in PRESETS},
 }
 ANCHORS = ("Published anchors (other models, not this one): vLLM's in-tree TurboQuant, WikiText-2 PPL vs bf16: "
            "turboquant_k8v4 +1.17%, turboquant_4bit_nc +2.71%, turboquant_k3v4_nc +10.6%, turboquant_3bit_nc "

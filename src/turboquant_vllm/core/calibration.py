@@ -57,8 +57,9 @@ class KeyCalibration:
 
     def queries(self, query: torch.Tensor) -> torch.Tensor:
         """query (tokens, q_heads, head_dim) -> query * scale of its KV head, fp32."""
-        group = query.shape[1] // self.num_kv_heads
-        return query.float() * self.scale.to(query.device).repeat_interleave(group, dim=0)
+        tokens, q_heads, dim = query.shape
+        grouped = query.float().view(tokens, self.num_kv_heads, q_heads // self.num_kv_heads, dim)
+        return (grouped * self.scale.to(query.device)[:, None, :]).view(tokens, q_heads, dim)
 
     def heads(self, start: int, count: int) -> "KeyCalibration":
         """The slice for KV heads [start, start + count) (a tensor-parallel rank's heads)."""
@@ -96,14 +97,6 @@ class KeyStatistics:
         q = query.detach().double().square().sum(0)
         self.query_sq_sum += q.view(self.num_kv_heads, -1, self.head_dim).sum(1).cpu()
         self.query_count += query.shape[0] * (query.shape[1] // self.num_kv_heads)
-
-    def merge(self, other: "KeyStatistics") -> None:
-        """Add another run's sums (same shape): data-parallel calibration runs."""
-        self.key_sum += other.key_sum
-        self.key_sq_sum += other.key_sq_sum
-        self.query_sq_sum += other.query_sq_sum
-        self.key_count += other.key_count
-        self.query_count += other.query_count
 
     def fit(self) -> KeyCalibration:
         if self.key_count < 2 or self.query_count < 1:

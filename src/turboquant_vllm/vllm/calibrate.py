@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from . import CALIBRATION_CONFIG_KEY, CALIBRATION_ENV, COLLECT_ENV
+from . import CALIBRATION_ENV, COLLECT_ENV
 
 
 def read_texts(paths: list[str | Path]) -> str:
@@ -40,7 +40,7 @@ def token_windows(ids: list[int], window: int, max_tokens: int, bos: list[int]) 
 
 
 def calibrate(model: str, texts: list[str | Path], out: str | Path, *, max_tokens: int = 262_144,
-              window: int = 2048, gpu_memory_utilization: float = 0.5, log=print, **llm_kwargs) -> dict:
+              window: int = 2048, gpu_memory_utilization: float = 0.5, log=print) -> dict:
     """Collect statistics over the text, fit, save to out; returns a summary."""
     from ..core.calibration import save_calibration
 
@@ -54,9 +54,7 @@ def calibrate(model: str, texts: list[str | Path], out: str | Path, *, max_token
 
     t0 = time.perf_counter()
     llm = LLM(model=model, attention_config={"backend": "CUSTOM"}, enforce_eager=True, max_model_len=window + 1,
-              gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False, **llm_kwargs)
-    if CALIBRATION_CONFIG_KEY in (llm.llm_engine.vllm_config.additional_config or {}):
-        raise ValueError(f"drop --additional-config {CALIBRATION_CONFIG_KEY} while calibrating")
+              gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False)
     tok = llm.get_tokenizer()
     bos = [tok.bos_token_id] if tok.bos_token_id is not None and tok.encode("a")[:1] == [tok.bos_token_id] else []
     windows = token_windows(tok(text, add_special_tokens=False)["input_ids"], window, max_tokens, bos)
