@@ -107,12 +107,12 @@ def test_key_centering_is_exact(model, ids):
     torch.testing.assert_close(centered, model(ids), rtol=1e-4, atol=1e-4)
     # with an exact "quantizer" the centered hook gives back K and V (up to rounding of x - c + c)
     k, v = torch.randn(1, 2, 6, HEAD_DIM), torch.randn(1, 2, 6, HEAD_DIM)
-    kc, vc = qd.kv_hook(qd.KVConfig("c", center="kv"), shift)(0, k, v)
+    kc, vc = qd.kv_hook(qd.KVConfig("c", center="kv"), qd.Fitted(shift))(0, k, v)
     torch.testing.assert_close((kc, vc), (k, v))
     # and the centers are taken out before quantizing: the error shrinks with the quantized norm
     mean = {0: (k.mean(2, keepdim=True) + 5, v.mean(2, keepdim=True))}
     plain = qd.kv_hook(qd.KVConfig("p", k=3))(0, k + 5, v)[0]
-    centered = qd.kv_hook(qd.KVConfig("c", k=3, center="k"), mean)(0, k + 5, v)[0]
+    centered = qd.kv_hook(qd.KVConfig("c", k=3, center="k"), qd.Fitted(mean))(0, k + 5, v)[0]
     assert (centered - (k + 5)).norm() < 0.5 * (plain - (k + 5)).norm()
     with pytest.raises(ValueError):
         qd.kv_hook(qd.KVConfig("c", k=4, center="k"))
@@ -144,3 +144,86 @@ def test_evaluate_end_to_end(model):
     assert out["reference"]["tokens"] == 3 * 15
     assert out["tq2"]["kl"] > out["tq2 layer 1"]["kl"] > 0
     assert out["tq2"]["ppl_delta_pct"] != 0
+
+
+def test_key_calibration_scores_equal_the_products():
+    """Undoing the transform after dequantizing (k_hat = s * x_hat + m) gives the scores of the product's
+    (q * s).x_hat up to q.m per query, so the softmax is the same."""
+    from turboquant_vllm.core.calibration import KeyCalibration
+
+    gen = torch.Generator().manual_seed(7)
+    mean, scale = torch.randn(2, HEAD_DIM, generator=gen) * 3, torch.rand(2, HEAD_DIM, generator=gen) + 0.5
+    fitted = qd.Fitted({}, {0: (mean[None, :, None], scale[None, :, None])})
+    k, v = torch.randn(1, 2, 9, HEAD_DIM, generator=gen), torch.randn(1, 2, 9, HEAD_DIM, generator=gen)
+    q = torch.randn(1, 4, 9, HEAD_DIM, generator=gen)  # 2 query heads per KV head
+    k_hat = qd.kv_hook(qd.KVConfig("c", k=4, nc="k", key_cal="mean+scale"), fitted)(0, k, v)[0]
+    cal = KeyCalibration(mean, scale)  # the product: cache (k - m) / s, attend with q * s
+    x_hat = qd.fake_quant(cal.keys(k[0].transpose(0, 1)), 4, True)  # (tokens, kv_heads, d)
+    q_s = cal.queries(q[0].transpose(0, 1))  # (tokens, q_heads, d)
+    product = torch.einsum("thd,shd->hts", q_s, x_hat.repeat_interleave(2, 1))
+    ours = torch.einsum("htd,hsd->hts", q[0], k_hat[0].repeat_interleave(2, 0))
+    torch.testing.assert_close(product.softmax(-1), ours.softmax(-1), rtol=1e-4, atol=1e-5)
+    # with an exact "quantizer" every variant gives K back
+    for kc in ("mean", "scale", "mean+scale"):
+        torch.testing.assert_close(qd.kv_hook(qd.KVConfig("c", key_cal=kc), fitted)(0, k, v)[0], k)
+    with pytest.raises(ValueError, match="two key means"):
+        qd.kv_hook(qd.KVConfig("c", k=4, center="k", key_cal="mean"), qd.Fitted({0: (mean, mean)}, fitted.key_cal))(
+            0, k, v)
+
+
+def test_load_key_calibration_maps_vllm_layer_names(tmp_path):
+    from turboquant_vllm.core.calibration import KeyCalibration, save_calibration
+
+    cal = {f"model.layers.{i}.self_attn.attn": KeyCalibration(torch.full((2, 8), float(i)), torch.ones(2, 8))
+           for i in (1, 0)}
+    save_calibration(tmp_path / "c.safetensors", cal)
+    out = qd.load_key_calibration(tmp_path / "c.safetensors", 2)
+    assert sorted(out) == [0, 1] and out[1][0].shape == (1, 2, 1, 8) and out[1][0].unique().item() == 1
+    with pytest.raises(ValueError, match="the model has 3"):
+        qd.load_key_calibration(tmp_path / "c.safetensors", 3)
+
+
+def test_codebook_helpers_agree_with_core():
+    checks = qd.self_check(HEAD_DIM)
+    assert checks["helper_vs_core_max_abs"] < 1e-5 and checks["histogram_vs_core_4bit_max_rel"] < 1e-5
+    # 5 bits (core packs 1-4): the sphere marginal's Lloyd-Max, measured MSE as predicted, 4x below 4 bits
+    x = torch.randn(20000, HEAD_DIM, generator=torch.Generator().manual_seed(8))
+    x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    mse5 = (x - qd.fake_quant(x, 5)).pow(2).sum(-1).mean().item()
+    assert mse5 == pytest.approx(qd.sphere_distortion(5, HEAD_DIM), rel=0.03)
+    assert 3 < qd.sphere_distortion(4, HEAD_DIM) / qd.sphere_distortion(5, HEAD_DIM) < 4.5
+    kw = dict(num_layers=6, head_dim=128, seq_len=2048)
+    assert qd.KVConfig("k5v3", k=5, v=3).bytes_per_token(**kw) == 136
+    assert qd.KVConfig("k5v4", k=5, v=4).bytes_per_token(**kw) == 152
+
+
+def test_fitted_codebook():
+    """On keys that are sphere-like after the rotation, the fitted magnitudes are the sphere's; on keys
+    that are not (a few large channels survive a rotation that is not random for them), they differ and
+    quantize those keys better."""
+    gen = torch.Generator().manual_seed(9)
+    sphere = torch.randn(1, 2, 4096, HEAD_DIM, generator=gen)
+    rot = qd.rotation_matrix(HEAD_DIM, 0)
+    spiky = torch.zeros(1, 2, 4096, HEAD_DIM)
+    spiky[..., :4] = torch.randn(1, 2, 4096, 4, generator=gen)
+    spiky = (spiky + 0.05 * torch.randn(spiky.shape, generator=gen)) @ rot  # spiky in the rotated basis
+    cfg = qd.KVConfig("f", k=4, v=4, k_codebook="fitted")
+    for keys, close in ((sphere, True), (spiky, False)):
+        fitted = qd.Fitted({}, calib_keys={0: keys})
+        mags = fitted.key_magnitudes(cfg, 0)
+        assert mags.shape == (8,) and bool((mags.diff() > 0).all())
+        assert torch.allclose(mags, qd.sphere_magnitudes(4, HEAD_DIM), rtol=0.03) == close
+        (row,) = next(iter(fitted.fits.values()))
+        assert row["fitted_unit_mse"] <= row["sphere_unit_mse"] * (1 + 1e-9)
+        if not close:
+            assert row["fitted_unit_mse"] < 0.8 * row["sphere_unit_mse"]
+            k_hat = qd.kv_hook(cfg, fitted)(0, keys, keys)[0]
+            plain = qd.fake_quant(keys, 4)
+            assert (k_hat - keys).pow(2).sum() < (plain - keys).pow(2).sum()
+
+
+def test_paired_differences():
+    results = {"a": {"kl_per_window": [1.0, 2.0, 3.0], "nll_delta_per_window": [0.0, 0.0, 0.0]},
+               "b": {"kl_per_window": [1.5, 2.5, 3.5], "nll_delta_per_window": [0.1, 0.1, 0.1]}}
+    p = qd.paired(results, "b", "a")
+    assert p["kl"] == pytest.approx((0.5, 0.0)) and p["nll_delta"] == pytest.approx((0.1, 0.0))
