@@ -118,6 +118,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, stem = model_config(args.heads)
+    command = "python benchmarks/e2e.py " + " ".join(sys.argv[1:])
     rows = []
     if args.merge and (out / f"{stem}.json").exists():  # keep the other KV caches' rows of an earlier call
         rows = [r for r in json.loads((out / f"{stem}.json").read_text())["rows"] if r["kv"] not in args.kv.split(",")]
@@ -133,7 +134,7 @@ def main() -> None:
             if not found:
                 print(f"{kv}: failed (rc {proc.returncode}); see {out / f'{stem}_{kv}.log'}")
                 continue
-            rows.append(json.loads(found[-1][len("E2E_ROW "):]))
+            rows.append(dict(json.loads(found[-1][len("E2E_ROW "):]), command=command))
             print(rows[-1], flush=True)
             write(rows, out, args.runs, model, stem)  # after every row: a cut-off run keeps what it measured
 
@@ -146,7 +147,7 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
         r["prefill_tok_s"] = r.get("prefill_tok_s_64x8k")
         if base:
             r["kv_tokens_vs_bf16"] = r["kv_tokens"] / base["kv_tokens"]
-    meta = dict(model=model, runs=runs, generated=GENERATED, command="python benchmarks/e2e.py " + " ".join(sys.argv[1:]))
+    meta = dict(model=model, runs=runs, generated=GENERATED)
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
     lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | prefill tok/s | "
@@ -158,7 +159,12 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
                      f"{fmt(r['prefill_tok_s'], ',.0f')} | {fmt(r.get('at_limit_req_s'), '.2f')} |")
     shape = (f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} q / "
              f"{model['num_key_value_heads']} KV heads, head_dim {model['head_dim']}")
-    (out / f"{stem}.md").write_text(f"Llama shape with random weights: {shape}.\n\n" + "\n".join(lines) + "\n")
+    runs_by = {}  # rows merged from earlier calls (--merge) name the command that measured them
+    for r in rows:
+        runs_by.setdefault(r.get("command", "unrecorded"), []).append(r["kv"])
+    measured = "\n".join(f"- {', '.join(kvs)}: `{cmd}`" for cmd, kvs in runs_by.items())
+    (out / f"{stem}.md").write_text(f"Llama shape with random weights: {shape}.\n\n" + "\n".join(lines)
+                                    + f"\n\nMeasured by:\n{measured}\n")
     print("\n".join(lines))
     import matplotlib
 

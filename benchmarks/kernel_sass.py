@@ -27,7 +27,7 @@ from turboquant_vllm.kernels.constants import _constants
 POINTERS = {"q_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "qsl_ptr": "*i32",
             "seq_lens_ptr": "*i32", "k_lut_ptr": "*fp16", "v_lut_ptr": "*fp16", "o_ptr": "*fp32",
             "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
-DIVISIBLE = set(POINTERS) | {"stride_qt", "stride_qh", "stride_bt", "stride_cblock", "stride_chead", "num_seqs"}
+DIVISIBLE = set(POINTERS) | {"stride_qt", "stride_qh", "stride_bt", "stride_cblock", "stride_chead"}
 
 
 def main() -> None:

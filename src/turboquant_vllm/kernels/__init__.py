@@ -1,10 +1,11 @@
 """Triton kernels over the compressed paged KV cache; each names its reference in core/."""
 
-from .attention import attention_workspace_shape, default_num_splits, paged_attention, rotate_queries
+from .attention import attention_workspace_shape, default_num_splits, paged_attention
 from .dequant import dequantize_pages
+from .rotation import merge_and_unrotate, rotate_queries, unrotate_outputs
 from .store import store_kv
 
 __all__ = [
-    "attention_workspace_shape", "default_num_splits", "dequantize_pages", "paged_attention", "rotate_queries",
-    "store_kv",
+    "attention_workspace_shape", "default_num_splits", "dequantize_pages", "merge_and_unrotate", "paged_attention",
+    "rotate_queries", "store_kv", "unrotate_outputs",
 ]

@@ -3,13 +3,14 @@
 Reference: turboquant_vllm.core.reference.paged_attention_reference.
 
 Attention runs in the rotated basis: q.k = ||k|| (R q).value[code_k] and
-sum_j p_j v_j = R^T sum_j p_j ||v_j|| value[code_v,j]. The launcher rotates the queries once and
-the outputs once; the inner loop is load codes -> unpack -> table lookup -> MMA, with the norms
-applied to the scores (keys) and to the probabilities (values), never per element.
+sum_j p_j v_j = R^T sum_j p_j ||v_j|| value[code_v,j]. kernels.rotation rotates the queries once
+before and the outputs once after (merging the splits there); the inner loop is load codes ->
+unpack -> table lookup -> MMA, with the norms applied to the scores (keys) and to the
+probabilities (values), never per element.
 
 One program handles one tile of query tokens of one sequence, all query heads of one KV head
 (so each compressed byte is read once per KV head) and one split of the context. With more
-than one split, partial results go to a workspace and a second launch merges them.
+than one split, each writes its partials to the workspace.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
 from .common import INTERPRETED, check_dtype, check_index, load_halves, next_pow2
 from .constants import kernel_constants
+from .rotation import merge_and_unrotate, rotate_queries
 from .store import check_cache, check_calibration
 
 NUM_SMS_DEFAULT = 132
@@ -37,10 +39,10 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # changes with every batch: no recompiles mid-serving
 def _attention_kernel(
     q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
-    o_ptr, part_acc_ptr, part_ml_ptr,
+    part_acc_ptr, part_ml_ptr,
     num_seqs, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr,
@@ -140,36 +142,14 @@ def _attention_kernel(
         acc_odd = acc_odd * alpha[:, None] + v_scale * _mma(pv, v_odd, tl.zeros((BLOCK_M, DH), tl.float32), UPCAST)
         m_i = m_new
 
+    # Partials of this split; kernels.rotation merges the splits and leaves the rotated basis.
     out_rows = token[:, None] * NUM_Q_HEADS + head[:, None]
-    if NUM_SPLITS == 1:
-        inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o = o_ptr + out_rows * HEAD_DIM + even[None, :]
-        tl.store(o, acc_even * inv_l, mask=d_ok)
-        tl.store(o + 1, acc_odd * inv_l, mask=d_ok)
-    else:
-        part = part_acc_ptr + (out_rows * NUM_SPLITS + split) * HEAD_DIM + even[None, :]
-        tl.store(part, acc_even, mask=d_ok)
-        tl.store(part + 1, acc_odd, mask=d_ok)
-        ml = part_ml_ptr + (token * NUM_Q_HEADS + head) * (2 * NUM_SPLITS) + split
-        tl.store(ml, m_i, mask=row_ok)
-        tl.store(ml + NUM_SPLITS, l_i, mask=row_ok)
-
-
-@triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, o_ptr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         D_PAD: tl.constexpr):
-    """One program per (token, query head): merge the splits' online-softmax partials."""
-    row = tl.program_id(0)
-    s = tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_ml_ptr + row * 2 * NUM_SPLITS + s)
-    l = tl.load(part_ml_ptr + row * 2 * NUM_SPLITS + NUM_SPLITS + s)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    dims = tl.arange(0, D_PAD)
-    acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + s[:, None]) * HEAD_DIM + dims[None, :],
-                  mask=dims[None, :] < HEAD_DIM, other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(o_ptr + row * HEAD_DIM + dims, o, mask=dims < HEAD_DIM)
+    part = part_acc_ptr + (out_rows * NUM_SPLITS + split) * HEAD_DIM + even[None, :]
+    tl.store(part, acc_even, mask=d_ok)
+    tl.store(part + 1, acc_odd, mask=d_ok)
+    ml = part_ml_ptr + (token * NUM_Q_HEADS + head) * (2 * NUM_SPLITS) + split
+    tl.store(ml, m_i, mask=row_ok)
+    tl.store(ml + NUM_SPLITS, l_i, mask=row_ok)
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
@@ -179,19 +159,8 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_
 
 
 def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:
-    """fp32 elements of scratch: rotated outputs, plus split partials (acc, max, sum) when splitting."""
-    rows = num_tokens * num_q_heads
-    partials = rows * num_splits * (head_dim + 2) if num_splits > 1 else 0
-    return (rows * head_dim + partials,)
-
-
-def rotate_queries(
-    query: torch.Tensor, rotation: torch.Tensor, scale: float, key_calibration: KeyCalibration | None
-) -> torch.Tensor:
-    """Queries into the cache's rotated basis, once, with the softmax scale (and the key calibration's
-    scale) folded in: the inner loops then work on codes directly. fp32."""
-    q = query.float() if key_calibration is None else key_calibration.queries(query)
-    return (q @ rotation.T) * scale
+    """fp32 elements of scratch: each split's partials (accumulator, row max, row sum) per output row."""
+    return (num_tokens * num_q_heads * num_splits * (head_dim + 2),)
 
 
 def paged_attention(
@@ -246,19 +215,18 @@ def paged_attention(
     elif workspace.dtype != torch.float32 or workspace.numel() < need:
         raise ValueError(f"workspace must be float32 with >= {need} elements")
     rows = num_tokens * num_q_heads
-    o_rot = workspace[: rows * head_dim]
-    part_acc = workspace[rows * head_dim : rows * head_dim + rows * num_splits * head_dim]
-    part_ml = workspace[rows * head_dim + rows * num_splits * head_dim : need]
+    part_acc = workspace[: rows * num_splits * head_dim]
+    part_ml = workspace[rows * num_splits * head_dim : need]
 
     if key_calibration is not None:
         check_calibration(key_calibration, layout)
     c = kernel_constants(layout, query.device)
     # MMA operands are fp16 whatever the model dtype: 3 more mantissa bits than bf16, same speed.
-    q_rot = rotate_queries(query, c.rotation, scale, key_calibration).to(torch.float16)
+    q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
     grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
     _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
         q_rot, kv_cache, block_table, query_start_loc, seq_lens, c.key_values[torch.float16], c.value_values[torch.float16],
-        o_rot, part_acc if num_splits > 1 else o_rot, part_ml if num_splits > 1 else o_rot,
+        part_acc, part_ml,
         num_seqs, q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         sliding_window or 0, float(softcap or 0.0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -271,9 +239,4 @@ def paged_attention(
         ASM="" if INTERPRETED else c.nibble_asm,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(rows,)](part_acc, part_ml, o_rot, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-                                      D_PAD=next_pow2(head_dim))
-    # Back from the rotated basis, once per output vector.
-    out.copy_((o_rot.view(num_tokens, num_q_heads, head_dim) @ c.rotation).to(out.dtype))
-    return out
+    return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout)

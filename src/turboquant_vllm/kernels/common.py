@@ -31,6 +31,16 @@ def codes_to_plane_bytes(codes, ROWS: tl.constexpr, DIM: tl.constexpr, WIDTH: tl
     return tl.sum(grouped, axis=2).to(tl.uint8)
 
 
+@triton.jit
+def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 x to dtype, rounding to nearest even (Triton's CPU interpreter truncates fp32 -> bf16)."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
 def nibble_lookup_asm(magnitudes_fp16: list[int]) -> str:
     """PTX that turns 4 bytes of 4-bit sign-magnitude codes into 8 fp16 values with byte permutes.
 

@@ -1,7 +1,8 @@
 """Store: rotate, normalize, quantize, pack and norm-correct new keys/values into the paged cache.
 
 Reference: turboquant_vllm.core.reference.store_kv_reference (bit-exact up to fp32 rounding of
-the rotation). One launch writes K and V: grid axis 2 picks which.
+the rotation). One launch writes K and V (grid axis 2 picks which), key calibration and rotation
+included: a decode step's few tokens make a GEMM library call cost more than the whole store.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
 from .common import check_dtype, check_index, codes_to_plane_bytes, next_pow2
 from .constants import kernel_constants
+from .rotation import matrix_rows
 
 
 @triton.jit
@@ -28,16 +30,29 @@ def _store_plane(cache_ptr, base, valid, code, PLANE_START: tl.constexpr, WIDTH:
 
 @triton.jit
 def _quantize_and_store(
-    src_ptr, stride_t, stride_h, rot_ptr, cache_ptr, page_base, slot_off, valid, bounds_ptr, values_ptr, head, tok,
+    src_ptr, stride_t, stride_h, rot_ptr, mean_ptr, scale_ptr, cache_ptr, page_base, slot_off, valid, bounds_ptr,
+    values_ptr, head, tok, CALIBRATED: tl.constexpr,
     BITS: tl.constexpr, CODE_BYTES: tl.constexpr, CODE_OFF: tl.constexpr, NORM_OFF: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # x (calibrated keys: (k - mean) / scale) @ R.T in fp32, a column chunk of x at a time.
+    sq = tl.zeros((BLOCK_T,), tl.float32)
+    rotated = tl.zeros((BLOCK_T, D_PAD), tl.float32)
+    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ok = valid[:, None] & (k[None, :] < HEAD_DIM)
+        x = tl.load(src_ptr + tok[:, None] * stride_t + head * stride_h + k[None, :], mask=ok, other=0.0)
+        x = x.to(tl.float32)
+        if CALIBRATED:
+            mean = tl.load(mean_ptr + head * HEAD_DIM + k, mask=k < HEAD_DIM, other=0.0)
+            scale = tl.load(scale_ptr + head * HEAD_DIM + k, mask=k < HEAD_DIM, other=1.0)
+            x = tl.where(ok, (x - mean[None, :]) / scale[None, :], 0.0)
+        sq += tl.sum(x * x, axis=1)
+        rotated = tl.dot(x, matrix_rows(rot_ptr, k0, 1, HEAD_DIM, BLOCK_K, HEAD_DIM, D_PAD), rotated,
+                         input_precision="tf32x3")
+    norm = tl.sqrt(sq)
     dims = tl.arange(0, D_PAD)
     d_ok = valid[:, None] & (dims[None, :] < HEAD_DIM)
-    x = tl.load(src_ptr + tok[:, None] * stride_t + head * stride_h + dims[None, :], mask=d_ok, other=0.0)
-    x = x.to(tl.float32)
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    rotated = tl.load(rot_ptr + (tok[:, None] * NUM_HEADS + head) * HEAD_DIM + dims[None, :], mask=d_ok, other=0.0)
     y = rotated / tl.where(norm > 0, norm, 1.0)[:, None]  # a zero vector keeps y = 0
     # Sign-magnitude code: top bit = sign, low bits = number of magnitude boundaries below |y|.
     mag = tl.zeros((BLOCK_T, D_PAD), dtype=tl.int32)
@@ -57,12 +72,12 @@ def _quantize_and_store(
     tl.store(norm_ptr, norm, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # changes with every batch: no recompiles mid-serving
 def _store_kv_kernel(
-    key_ptr, value_ptr, rot_ptr, cache_ptr, slot_ptr, k_bounds_ptr, v_bounds_ptr, k_values_ptr, v_values_ptr,
-    num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_cblock, stride_chead,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_HEADS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    key_ptr, value_ptr, rot_ptr, mean_ptr, scale_ptr, cache_ptr, slot_ptr, k_bounds_ptr, v_bounds_ptr, k_values_ptr,
+    v_values_ptr, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_cblock, stride_chead,
+    CALIBRATED: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
 ):
@@ -74,13 +89,13 @@ def _store_kv_kernel(
     page_base = (safe // BLOCK_SIZE) * stride_cblock + head * stride_chead
     slot_off = safe % BLOCK_SIZE
     if tl.program_id(2) == 0:
-        _quantize_and_store(key_ptr, stride_kt, stride_kh, rot_ptr, cache_ptr, page_base, slot_off, valid,
-                            k_bounds_ptr, k_values_ptr, head, tok, K_BITS, K_CODE_BYTES, 0, K_NORM_OFF, HEAD_DIM,
-                            D_PAD, BLOCK_T, NUM_HEADS)
+        _quantize_and_store(key_ptr, stride_kt, stride_kh, rot_ptr, mean_ptr, scale_ptr, cache_ptr, page_base,
+                            slot_off, valid, k_bounds_ptr, k_values_ptr, head, tok, CALIBRATED, K_BITS, K_CODE_BYTES,
+                            0, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
     else:
-        _quantize_and_store(value_ptr, stride_vt, stride_vh, rot_ptr + num_tokens * NUM_HEADS * HEAD_DIM, cache_ptr,
-                            page_base, slot_off, valid, v_bounds_ptr, v_values_ptr, head, tok, V_BITS, V_CODE_BYTES,
-                            V_CODE_OFF, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, NUM_HEADS)
+        _quantize_and_store(value_ptr, stride_vt, stride_vh, rot_ptr, mean_ptr, scale_ptr, cache_ptr, page_base,
+                            slot_off, valid, v_bounds_ptr, v_values_ptr, head, tok, False, V_BITS, V_CODE_BYTES,
+                            V_CODE_OFF, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
 
 
 def check_cache(kv_cache: torch.Tensor, layout: CacheLayout) -> None:
@@ -122,21 +137,18 @@ def store_kv(
         return
     if key_calibration is not None:
         check_calibration(key_calibration, layout)
-        key = key_calibration.keys(key)
     c = kernel_constants(layout, key.device)
-    # The rotation is one fp32 GEMM for K and V together, the same product the reference computes;
-    # the kernel then normalizes, quantizes, packs and scatters into the pages.
-    rotated = torch.stack((key.float(), value.float())) @ c.rotation.T  # (2, tokens, kv_heads, head_dim)
+    mean, scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (c.rotation, c.rotation)
     block_t = 16  # small tiles: a decode step's few tokens still spread over many programs
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
     _store_kv_kernel[grid](
-        key, value, rotated, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,
+        key, value, c.rotation, mean, scale, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,
         c.key_values[torch.float32], c.value_values[torch.float32],
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_T=block_t, BLOCK_SIZE=layout.block_size,
-        NUM_HEADS=layout.num_kv_heads, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
+        kv_cache.stride(0), kv_cache.stride(1), CALIBRATED=key_calibration is not None,
+        HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_T=block_t, BLOCK_K=32,
+        BLOCK_SIZE=layout.block_size, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
         K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
-        num_warps=4,
+        num_warps=8,  # 4 spill the 3xTF32 operands of the rotation
     )

@@ -67,18 +67,16 @@ def dense_prefill_attention(
 ) -> None:
     """Attention over the compressed pages for long prefills: expand the sequences' context once
     (exact cache values, rotated basis), then FlashAttention; the same result as paged_attention."""
-    from ..kernels import dequantize_pages, rotate_queries
-    from ..kernels.constants import kernel_constants
+    from ..kernels import dequantize_pages, rotate_queries, unrotate_outputs
 
     flash, version = compat.flash_attn_varlen()
-    rotation = kernel_constants(layout, query.device).rotation
     k, v = dequantize_pages(kv_cache, layout, block_table, seq_lens, cu_seqlens_k, total_k, max_seq_len, query.dtype)
-    q = rotate_queries(query, rotation, 1.0, key_calibration).to(query.dtype)
+    q = rotate_queries(query, layout, 1.0, key_calibration, query.dtype)
     window = [sliding_window - 1, 0] if sliding_window else [-1, -1]
     o = flash(q, k, v, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc, max_seqlen_k=max_seq_len,
               cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=True, window_size=window,
               softcap=softcap or 0.0, fa_version=version)
-    out.copy_((o.float() @ rotation).to(out.dtype))
+    unrotate_outputs(o, out, layout)
 
 
 def process_preset(vllm_config: Any | None = None) -> Preset:
