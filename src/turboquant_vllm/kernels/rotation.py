@@ -5,7 +5,7 @@ outputs merged over their splits, then @ R (tests/kernels/test_rotation.py spell
 
 Each direction is one launch that also does what used to be separate torch ops around it (the
 key calibration's query scale, the softmax scale, the split merge, the casts): a decode step has
-a few hundred rows, where a GEMM library call alone took 6-7 µs (NOTES.md, "End to end"). The
+a few hundred rows, where a GEMM library call alone took 5.8-9 µs (NOTES.md, "Store"). The
 product runs on tensor cores in 3xTF32 (fp32 accuracy: the split a = a_hi + a_lo recovers the
 bits one TF32 operand drops).
 """
