@@ -128,15 +128,24 @@ def main() -> None:
             env = dict(os.environ, **KV[kv][2])
             cmd = [sys.executable, __file__, "--runs", args.runs, "--repeats", str(args.repeats),
                    "--at-limit", str(args.at_limit), "--child", f"{kv}:{model_dir}"]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            (out / f"{stem}_{kv}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
-            found = [line for line in proc.stdout.splitlines() if line.startswith("E2E_ROW ")]
-            if not found:
-                print(f"{kv}: failed (rc {proc.returncode}); see {out / f'{stem}_{kv}.log'}")
+            row = child_row(cmd, env, out / f"{stem}_{kv}.log", "E2E_ROW")
+            if row is None:
                 continue
-            rows.append(dict(json.loads(found[-1][len("E2E_ROW "):]), command=command))
+            rows.append(dict(row, command=command))
             print(rows[-1], flush=True)
             write(rows, out, args.runs, model, stem)  # after every row: a cut-off run keeps what it measured
+
+
+def child_row(cmd: list[str], env: dict, log: Path, tag: str) -> dict | None:
+    """One KV cache's measurement in a fresh process (vLLM engines do not tear down cleanly in one):
+    its output goes to `log`, its result is the JSON after `tag` on its last such stdout line."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    log.write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+    found = [line for line in proc.stdout.splitlines() if line.startswith(tag + " ")]
+    if not found:
+        print(f"{cmd[-1]}: failed (rc {proc.returncode}); see {log}")
+        return None
+    return json.loads(found[-1][len(tag) + 1:])
 
 
 def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str = "e2e") -> None:

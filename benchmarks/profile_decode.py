@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e import KV, model_config  # noqa: E402
+from e2e import KV, child_row, model_config  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STEPS = 16
@@ -118,13 +117,10 @@ def main() -> None:
             env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **KV[kv][2])
             cmd = [sys.executable, __file__, "--batch", str(args.batch), "--context", str(args.context),
                    "--heads", args.heads, "--child", f"{kv}:{model_dir}"]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            (out / f"profile_decode_{kv}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
-            found = [line for line in proc.stdout.splitlines() if line.startswith("PROFILE_ROW ")]
-            if not found:
-                print(f"{kv}: failed (rc {proc.returncode})")
+            row = child_row(cmd, env, out / f"profile_decode_{kv}.log", "PROFILE_ROW")
+            if row is None:
                 continue
-            rows.append(json.loads(found[-1][len("PROFILE_ROW "):]))
+            rows.append(row)
             doc = dict(command=command, model=model, rows=rows)
             (out / "profile_decode.json").write_text(json.dumps(doc, indent=1))
             (out / "profile_decode.md").write_text(markdown(rows, command))
