@@ -1,7 +1,7 @@
 """Into and out of the cache's rotated basis: queries before attention, outputs after.
 
-Reference: the products with core.rotation's matrix R (fp32): queries (q * key scale) @ R.T * scale,
-outputs merged over their splits, then @ R (tests/kernels/test_rotation.py spells them out).
+References: core.reference.rotate_queries_reference ((q * key scale) @ R.T * scale) and
+merge_and_unrotate_reference (the split merge, then @ R), R being core.rotation's matrix (fp32).
 
 Each direction is one launch that also does what used to be separate torch ops around it (the
 key calibration's query scale, the softmax scale, the split merge, the casts): a decode step has
