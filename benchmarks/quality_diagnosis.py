@@ -50,7 +50,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from reference_lm.model import Llama, ModelConfig, rope_cos_sin  # noqa: E402
 from turboquant_vllm.core.calibration import load_calibration  # noqa: E402
-from turboquant_vllm.core.codebook import SUPPORTED_BITS, lloyd_max  # noqa: E402
+from turboquant_vllm.core.codebook import lloyd_max  # noqa: E402
 from turboquant_vllm.core.presets import NORM_BYTES  # noqa: E402
 from turboquant_vllm.core.quantizer import Quantizer  # noqa: E402
 from turboquant_vllm.core.rotation import rotation_matrix  # noqa: E402
@@ -133,20 +133,18 @@ def fake_quant(x: torch.Tensor, fmt: int | str | None, norm_correct: bool = Fals
         return x
     if fmt == "fp8":  # vLLM's fp8 KV cache with its default scale 1: a plain cast
         return x.to(torch.float8_e4m3fn).to(x.dtype)
-    if magnitudes is None and fmt in SUPPORTED_BITS:  # core's real quantize / dequantize, packing included
+    if magnitudes is None:  # core's real quantize / dequantize, packing included
         q = Quantizer(fmt, x.shape[-1], seed, norm_correction=norm_correct)
         return q.dequantize(*q.quantize(x)).to(x.dtype)
-    if magnitudes is None:
-        magnitudes = sphere_magnitudes(fmt, x.shape[-1])
     return codebook_fake_quant(x, magnitudes, norm_correct, seed).to(x.dtype)
 
 
-# ---- codebooks beyond core's: 5 bits, and fitted to the keys -------------------------------------------
+# ---- codebooks beyond core's: fitted to the keys --------------------------------------------------------
 
 def codebook_fake_quant(x: torch.Tensor, magnitudes: torch.Tensor, norm_correct: bool, seed: int) -> torch.Tensor:
     """Core's Quantizer quantize + dequantize (rotate, unit-normalize, sign + nearest magnitude, norm or
-    corrected norm) with any symmetric codebook (magnitudes ascending, 2^(bits-1) of them) and no packing:
-    core packs 1-4 bits only. self_check shows it equals core's path where both apply."""
+    corrected norm) with any symmetric codebook (magnitudes ascending, 2^(bits-1) of them), no packing.
+    self_check shows it equals core's path with core's codebooks."""
     rot = rotation_matrix(x.shape[-1], seed, x.device)
     xf = x.float()
     norms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
@@ -206,18 +204,8 @@ def sphere_histogram(dim: int, bins: int = 1 << 16) -> Histogram:
 
 @functools.cache
 def sphere_magnitudes(bits: int, dim: int) -> torch.Tensor:
-    """The sphere marginal's Lloyd-Max magnitudes: core's (closed form) where core has the width, otherwise
-    (5 bits) Lloyd iterations on sphere_histogram, started from the Gaussian-limit quantiles as core starts."""
-    if bits in SUPPORTED_BITS:
-        return torch.tensor(lloyd_max(bits, dim).magnitudes)
-    return torch.tensor(sphere_histogram(dim).lloyd_max(gaussian_start(bits, dim)))
-
-
-def sphere_distortion(bits: int, dim: int) -> float:
-    """The unit-vector MSE of sphere_magnitudes(bits, dim) (core's closed form where core has the width)."""
-    if bits in SUPPORTED_BITS:
-        return lloyd_max(bits, dim).distortion
-    return sphere_histogram(dim).unit_mse(sphere_magnitudes(bits, dim).numpy(), dim)
+    """The sphere marginal's Lloyd-Max magnitudes (core's closed form): fitted codebooks start there."""
+    return torch.tensor(lloyd_max(bits, dim).magnitudes)
 
 
 def gaussian_start(bits: int, dim: int) -> np.ndarray:
@@ -235,7 +223,7 @@ def self_check(dim: int) -> dict:
     diff = max((fake_quant(x, b, nc) - codebook_fake_quant(x, sphere_magnitudes(b, dim), nc, 0)).abs().max().item()
                for b in (3, 4) for nc in (False, True))
     out = dict(histogram_vs_core_4bit_max_rel=float(np.abs(hist4 / core4 - 1).max()), helper_vs_core_max_abs=diff,
-               tq5_distortion=sphere_distortion(5, dim))
+               tq5_distortion=lloyd_max(5, dim).distortion)
     if out["histogram_vs_core_4bit_max_rel"] > 1e-4 or diff > 1e-4:
         raise AssertionError(f"codebook helpers disagree with core: {out}")
     return out
@@ -814,7 +802,7 @@ def main(argv=None) -> dict:
         results=results,
         key_calibration=str(args.key_calibration.relative_to(ROOT) if args.key_calibration.is_relative_to(ROOT)
                             else args.key_calibration),
-        codebook_distortion={str(b): sphere_distortion(b, c.head_dim) for b in (2, 3, 4, 5)},
+        codebook_distortion={str(b): lloyd_max(b, c.head_dim).distortion for b in (2, 3, 4, 5)},
         self_check=checks,
         fitted_codebooks=fitted.fits,
         kv_stats=kv_statistics(model, windows[:args.batch], fitted.centers),

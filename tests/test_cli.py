@@ -8,7 +8,7 @@ from turboquant_vllm.cli import main
 def test_verify_json_schema_and_values(capsys):
     assert main(["verify", "--json", "--vectors", "4000"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["bits"] for r in out["distortion"]] == [1, 2, 3, 4]
+    assert [r["bits"] for r in out["distortion"]] == [1, 2, 3, 4, 5]
     for r in out["distortion"]:
         assert set(r) >= {"bits", "mse", "lloyd_max", "bound"}
         assert r["mse"] == pytest.approx(r["lloyd_max"], rel=0.02) and r["mse"] > r["bound"]

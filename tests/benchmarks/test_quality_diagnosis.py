@@ -186,12 +186,6 @@ def test_load_key_calibration_maps_vllm_layer_names(tmp_path):
 def test_codebook_helpers_agree_with_core():
     checks = qd.self_check(HEAD_DIM)
     assert checks["helper_vs_core_max_abs"] < 1e-5 and checks["histogram_vs_core_4bit_max_rel"] < 1e-5
-    # 5 bits (core packs 1-4): the sphere marginal's Lloyd-Max, measured MSE as predicted, 4x below 4 bits
-    x = torch.randn(20000, HEAD_DIM, generator=torch.Generator().manual_seed(8))
-    x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    mse5 = (x - qd.fake_quant(x, 5)).pow(2).sum(-1).mean().item()
-    assert mse5 == pytest.approx(qd.sphere_distortion(5, HEAD_DIM), rel=0.03)
-    assert 3 < qd.sphere_distortion(4, HEAD_DIM) / qd.sphere_distortion(5, HEAD_DIM) < 4.5
     kw = dict(num_layers=6, head_dim=128, seq_len=2048)
     assert qd.KVConfig("k5v3", k=5, v=3).bytes_per_token(**kw) == 136
     assert qd.KVConfig("k5v4", k=5, v=4).bytes_per_token(**kw) == 152

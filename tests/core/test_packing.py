@@ -1,10 +1,11 @@
 import pytest
 import torch
 
+from turboquant_vllm.core.codebook import SUPPORTED_BITS
 from turboquant_vllm.core.packing import pack_codes, record_bytes, unpack_codes
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
 @pytest.mark.parametrize("dim", [64, 80, 96, 112, 128, 256])
 def test_roundtrip_and_size(bits, dim):
     gen = torch.Generator().manual_seed(bits * 1000 + dim)
@@ -15,17 +16,20 @@ def test_roundtrip_and_size(bits, dim):
     assert torch.equal(unpack_codes(packed, bits, dim), codes)
 
 
-def test_layout_4bit_and_3bit():
+def test_layout_4bit_3bit_and_5bit():
     codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]], dtype=torch.int32)
     assert pack_codes(codes, 4).tolist() == [[0x21, 0x43, 0x65, 0x07]]
     # 3 bits: low-2-bit plane (4 codes a byte) then the top-bit plane (8 a byte): 8 codes in 3 bytes
     lo = [1 | 2 << 2 | 3 << 4 | 0 << 6, 1 | 2 << 2 | 3 << 4 | 0 << 6]
     hi = [0b01111000]
     assert pack_codes(codes, 3).tolist() == [lo + hi]
+    # 5 bits: the low-4-bit plane (the 4-bit layout) then the top-bit plane: 8 codes in 5 bytes
+    codes = torch.tensor([[17, 2, 31, 4, 5, 6, 7, 16]], dtype=torch.int32)
+    assert pack_codes(codes, 5).tolist() == [[0x21, 0x4F, 0x65, 0x07, 0b10000101]]
 
 
 def test_bad_dim():
     with pytest.raises(ValueError, match="multiple of 8"):
         record_bytes(100, 4)
     with pytest.raises(ValueError, match="bits"):
-        record_bytes(128, 5)
+        record_bytes(128, 6)

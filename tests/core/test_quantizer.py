@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from turboquant_vllm.core.codebook import lloyd_max, shannon_bound
+from turboquant_vllm.core.codebook import SUPPORTED_BITS, lloyd_max, shannon_bound
 from turboquant_vllm.core.quantizer import Quantizer
 from turboquant_vllm.core.rotation import rotation_matrix
 from turboquant_vllm.core.selftest import distortion_table
@@ -21,7 +21,7 @@ def test_distortion_table_within_2_percent_of_optimum():
         assert row["mse"] > shannon_bound(row["bits"])
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_quantize_shapes_norms_and_error(bits, dtype):
     q = Quantizer(bits, 96)
@@ -38,7 +38,7 @@ def test_quantize_shapes_norms_and_error(bits, dtype):
     assert rel.mean() < 1.5 * lloyd_max(bits, 96).distortion
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
 def test_norm_correction_only_rescales(bits):
     """Same codes either way; corrected norms = true norms / the unit reconstruction's norm."""
     x = torch.randn(300, 128, generator=torch.Generator().manual_seed(bits))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import special
 
-SUPPORTED_BITS = (1, 2, 3, 4)
+SUPPORTED_BITS = (1, 2, 3, 4, 5)
 
 
 def _check(bits: int, dim: int) -> None:

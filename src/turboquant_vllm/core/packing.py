@@ -6,7 +6,8 @@ A record of `dim` codes (dim % 8 == 0) packs into dim * bits / 8 bytes:
 - 1 bit:  byte j holds codes 8j .. 8j+7, code 8j+k at bit k;
 - 3 bits: two planes, the low 2 bits of every code packed as 2-bit codes (dim/4 bytes), then
   the top bit as 1-bit codes (dim/8 bytes): 8 codes in 3 bytes, and every plane decodes with
-  shifts and masks of whole bytes, which is what keeps the kernels' unpacking cheap.
+  shifts and masks of whole bytes, which is what keeps the kernels' unpacking cheap;
+- 5 bits: the same with the low 4 bits as 4-bit codes (dim/2 bytes), then the top bit (dim/8).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 # (bits of the plane, bit offset of the plane in the code) for each supported width
-PLANES = {1: ((1, 0),), 2: ((2, 0),), 3: ((2, 0), (1, 2)), 4: ((4, 0),)}
+PLANES = {1: ((1, 0),), 2: ((2, 0),), 3: ((2, 0), (1, 2)), 4: ((4, 0),), 5: ((4, 0), (1, 4))}
 
 
 def record_bytes(dim: int, bits: int) -> int:

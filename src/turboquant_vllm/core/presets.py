@@ -38,6 +38,7 @@ PRESETS: dict[str, Preset] = {
         Preset("k4v3", 4, 3, "4-bit keys, 3-bit values"),
         Preset("k3v2", 3, 2, "3-bit keys, 2-bit values (2.5 bits on average)"),
         Preset("tq2", 2, 2, "2-bit keys and values"),
+        Preset("k5v4", 5, 4, "5-bit keys, 4-bit values (quality first)"),
     )
 }
 DEFAULT_PRESET = "tq4"

@@ -94,14 +94,16 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
             even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
             odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
         return even, odd
-    if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
-        jl = tl.arange(0, D_PAD // 4)
-        lo = tl.load(cache_ptr + rec_base[:, None] + jl[None, :], mask=valid[:, None] & (jl[None, :] < HEAD_DIM // 4),
-                     other=0)
+    if BITS == 3 or BITS == 5:  # two planes: the low BITS - 1 bits, then the sign bit (see core.packing)
+        LOW: tl.constexpr = BITS - 1
+        jl = tl.arange(0, D_PAD * LOW // 8)
+        lo = tl.load(cache_ptr + rec_base[:, None] + jl[None, :],
+                     mask=valid[:, None] & (jl[None, :] < HEAD_DIM * LOW // 8), other=0)
         jh = tl.arange(0, D_PAD // 8)
-        hi = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM // 4 + jh[None, :],
+        hi = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM * LOW // 8 + jh[None, :],
                      mask=valid[:, None] & (jh[None, :] < HEAD_DIM // 8), other=0)
-        code = plane_bytes_to_codes(lo, BLOCK_N, D_PAD // 4, 2) | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << 2)
+        code = (plane_bytes_to_codes(lo, BLOCK_N, D_PAD * LOW // 8, LOW)
+                | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << LOW))
     else:
         j = tl.arange(0, D_PAD * BITS // 8)
         packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :],

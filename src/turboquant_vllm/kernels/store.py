@@ -63,9 +63,10 @@ def _quantize_and_store(
     recon = tl.where(d_ok, tl.load(values_ptr + code), 0.0)
     norm = norm / tl.sqrt(tl.maximum(tl.sum(recon * recon, axis=1), 1e-30))  # skipped rows: any finite value
     base = page_base + CODE_OFF + slot_off * CODE_BYTES  # (BLOCK_T,)
-    if BITS == 3:  # two planes: low 2 bits, then the sign bit (see core.packing)
-        _store_plane(cache_ptr, base, valid, code & 3, 0, 2, HEAD_DIM, D_PAD, BLOCK_T)
-        _store_plane(cache_ptr, base, valid, code >> 2, HEAD_DIM // 4, 1, HEAD_DIM, D_PAD, BLOCK_T)
+    if BITS == 3 or BITS == 5:  # two planes: the low BITS - 1 bits, then the sign bit (see core.packing)
+        LOW: tl.constexpr = BITS - 1
+        _store_plane(cache_ptr, base, valid, code & ((1 << LOW) - 1), 0, LOW, HEAD_DIM, D_PAD, BLOCK_T)
+        _store_plane(cache_ptr, base, valid, code >> LOW, HEAD_DIM * LOW // 8, 1, HEAD_DIM, D_PAD, BLOCK_T)
     else:
         _store_plane(cache_ptr, base, valid, code, 0, BITS, HEAD_DIM, D_PAD, BLOCK_T)
     norm_ptr = (cache_ptr + page_base + NORM_OFF + slot_off * 4).to(tl.pointer_type(tl.float32))
