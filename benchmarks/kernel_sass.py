@@ -25,7 +25,7 @@ from turboquant_vllm.kernels import attention
 from turboquant_vllm.kernels.constants import _constants
 
 POINTERS = {"q_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "qsl_ptr": "*i32",
-            "seq_lens_ptr": "*i32", "k_lut_ptr": "*fp16", "v_lut_ptr": "*fp16", "o_ptr": "*fp32",
+            "seq_lens_ptr": "*i32", "k_lut_ptr": "*i8", "v_lut_ptr": "*fp16", "o_ptr": "*fp32",
             "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
 DIVISIBLE = set(POINTERS) | {"stride_qt", "stride_qh", "stride_bt", "stride_cblock", "stride_chead"}
 
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--maxnreg", type=int, default=0, help="cap on registers per thread (0: ptxas chooses)")
     ap.add_argument("--out", default="build/kernel_sass", help="where the ttgir / ptx / sass are written")
     args = ap.parse_args()
     layout = CacheLayout(get_preset(args.preset), 128, 8, 16)  # the benchmark's shape: 32 q / 8 KV heads, d 128
@@ -44,12 +45,13 @@ def main() -> None:
         HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
         K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes, K_NORM_OFF=layout.key_norm_offset,
         V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset, USE_WINDOW=False,
-        USE_SOFTCAP=False, UPCAST=False, ASM=_constants(4, 4, 128, "cpu").nibble_asm)
+        USE_SOFTCAP=False, UPCAST=False, ASM=_constants(4, 4, 128, "cpu").nibble_asm,
+        K_ASM=_constants(layout.preset.k_bits, layout.preset.v_bits, 128, "cpu").key_int8_asm)
     names = attention._attention_kernel.arg_names
-    signature = {n: POINTERS.get(n, "constexpr" if n in consts else "fp32" if n == "softcap" else "i32") for n in names}
+    signature = {n: POINTERS.get(n, "constexpr" if n in consts else "fp32" if n in ("softcap", "k_step") else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in DIVISIBLE}
     kernel = triton.compile(ASTSource(attention._attention_kernel, signature, consts, attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps,
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps, **({"maxnreg": args.maxnreg} if args.maxnreg else {}),
                                                                        "num_stages": args.stages})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

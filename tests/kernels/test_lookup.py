@@ -9,6 +9,15 @@ from turboquant_vllm.kernels.constants import _constants
 
 
 @triton.jit
+def _decode_int8(packed_ptr, a_ptr, b_ptr, ASM: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    a, b = tl.inline_asm_elementwise(ASM, "=r,=r,r", [tl.load(packed_ptr + i)], dtype=(tl.int8, tl.int8),
+                                     is_pure=True, pack=4)
+    tl.store(a_ptr + i, a)
+    tl.store(b_ptr + i, b)
+
+
+@triton.jit
 def _decode(packed_ptr, even_ptr, odd_ptr, ASM: tl.constexpr, N: tl.constexpr):
     i = tl.arange(0, N)
     even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [tl.load(packed_ptr + i)],
@@ -34,9 +43,9 @@ def test_nibble_asm_matches_code_table(head_dim):
     assert torch.equal(odd, table[codes[:, 1].cuda().long()])
 
 
-def _run_ptx(program: str, word: int) -> list[int]:
-    """Executes the lookup's PTX (mov / and / shr / shl / prmt / lop3 on .b32) for one input word."""
-    regs = {"$4": word}
+def _run_ptx(program: str, word: int, num_outputs: int = 4) -> list[int]:
+    """Executes a lookup's PTX (mov / and / xor / shr / shl / prmt / lop3 on .b32) for one input word."""
+    regs = {f"${num_outputs}": word}
     val = lambda x: int(x, 0) if x[0].isdigit() else regs[x]  # noqa: E731
     for line in program.replace("{", "").replace("}", "").split(";"):
         parts = line.replace(",", " ").split()
@@ -48,6 +57,8 @@ def _run_ptx(program: str, word: int) -> list[int]:
             r = a[0]
         elif op == "and.b32":
             r = a[0] & a[1]
+        elif op == "xor.b32":
+            r = a[0] ^ a[1]
         elif op == "shr.u32":
             r = a[0] >> a[1]
         elif op == "shl.b32":
@@ -66,7 +77,7 @@ def _run_ptx(program: str, word: int) -> list[int]:
         else:
             raise AssertionError(f"unexpected PTX op {op}")
         regs[dst] = r & 0xFFFFFFFF
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(num_outputs)]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -82,3 +93,40 @@ def test_nibble_asm_program_on_cpu(head_dim):
         got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.nibble_asm, w)]
         want = [[nib[0], nib[2]], [nib[4], nib[6]], [nib[1], nib[3]], [nib[5], nib[7]]]
         assert got == [[table[x] & 0xFFFF for x in pair] for pair in want], hex(w)
+
+
+def _int8_values(head_dim: int, device) -> torch.Tensor:
+    """What each 4-bit key code means to the attention kernel: t with (t + 1/2) * step = its value."""
+    c = _constants(4, 4, head_dim, torch.device(device))
+    values = (c.key_int8.double().cpu() + 0.5) * c.key_int8_step
+    assert torch.allclose(values, Quantizer(4, head_dim).code_values("cpu", torch.float64), rtol=1e-7, atol=0)  # fp32 table
+    return c.key_int8
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_int8_asm_program_on_cpu(head_dim):
+    """The int8 key lookup (emulated): 4 bytes -> coordinates 0..3 and 4..7 as the int8 of each code."""
+    table = _int8_values(head_dim, "cpu").tolist()
+    c = _constants(4, 4, head_dim, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(head_dim)
+    words = [sum(((k + j) % 16) << 4 * j for j in range(8)) for k in range(16)]
+    words += torch.randint(0, 2**32, (200,), generator=gen, dtype=torch.int64).tolist()
+    for w in words:
+        got = [list(r.to_bytes(4, "little", signed=False)) for r in _run_ptx(c.key_int8_asm, w, num_outputs=2)]
+        want = [[table[w >> 4 * j & 15] & 0xFF for j in range(4)], [table[w >> 4 * j & 15] & 0xFF for j in range(4, 8)]]
+        assert got == want, hex(w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_int8_asm_matches_code_table(head_dim):
+    """On the GPU: the int8 key lookup returns exactly the table's t of every 4-bit code, in natural order."""
+    codes = torch.randint(0, 16, (512, 16), dtype=torch.int32, generator=torch.Generator().manual_seed(head_dim))
+    codes[0] = torch.arange(16)
+    packed = pack_codes(codes, 4).view(-1).cuda()
+    a = torch.zeros(4096, dtype=torch.int8, device="cuda")
+    b = torch.zeros_like(a)
+    c = _constants(4, 4, head_dim, torch.device("cuda"))
+    _decode_int8[(1,)](packed, a, b, ASM=c.key_int8_asm, N=4096)
+    want = _int8_values(head_dim, "cuda")[codes.view(-1, 2, 4).cuda().long()]  # (words, coordinates 0..3 / 4..7)
+    assert torch.equal(a.view(-1, 4), want[:, 0]) and torch.equal(b.view(-1, 4), want[:, 1])

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codebook import Codebook, lloyd_max
+from .codebook import Codebook, codebook
 from .packing import pack_codes, record_bytes, unpack_codes
 from .rotation import rotation_matrix
 
@@ -24,7 +24,7 @@ class Quantizer:
 
     @property
     def codebook(self) -> Codebook:
-        return lloyd_max(self.bits, self.dim)
+        return codebook(self.bits, self.dim)
 
     @property
     def record_bytes(self) -> int:

@@ -6,7 +6,9 @@ Attention runs in the rotated basis: q.k = ||k|| (R q).value[code_k] and
 sum_j p_j v_j = R^T sum_j p_j ||v_j|| value[code_v,j]. kernels.rotation rotates the queries once
 before and the outputs once after (merging the splits there); the inner loop is load codes ->
 unpack -> table lookup -> MMA, with the norms applied to the scores (keys) and to the
-probabilities (values), never per element.
+probabilities (values), never per element. 4-bit keys decode to int8 (one byte permute per 4 codes,
+the codebook lies on an int8 grid: core.codebook.codebook) and meet the queries' int8 hi / lo parts
+in exact integer MMAs; values decode to fp16.
 
 One program handles one tile of query tokens of one sequence, all query heads of one KV head
 (so each compressed byte is read once per KV head) and one split of the context. With more
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import INTERPRETED, check_dtype, check_index, load_halves, next_pow2
+from .common import INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, next_pow2
 from .constants import kernel_constants
 from .rotation import merge_and_unrotate, rotate_queries
 from .store import check_cache, check_calibration
@@ -39,17 +41,25 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _int_mma(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b of int8 operands: int32 and exact on the GPU; fp32 when interpreted (see _mma)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc.to(tl.float32))
+    return tl.dot(a, b, acc, out_dtype=tl.int32)
+
+
 @triton.jit(do_not_specialize=["num_seqs"])  # changes with every batch: no recompiles mid-serving
 def _attention_kernel(
     q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
     part_acc_ptr, part_ml_ptr,
-    num_seqs, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap,
+    num_seqs, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr, K_ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,9 +96,33 @@ def _attention_kernel(
     DH: tl.constexpr = D_PAD // 2
     even = 2 * tl.arange(0, DH)
     d_ok = row_ok[:, None] & (even[None, :] < HEAD_DIM)
-    q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + even[None, :]
-    q_even = tl.load(q_row, mask=d_ok, other=0.0)
-    q_odd = tl.load(q_row + 1, mask=d_ok, other=0.0)
+    q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    if K_BITS == 4:
+        # 4-bit keys are int8 (kernels.common.load_int8_quads), so are the queries: q = q_step * (hi + lo / 254)
+        # per row, hi and lo in [-127, 127], ~15 bits; q.k is two exact int8 MMAs over one decoded key tile.
+        quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
+        quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
+        qa = tl.load(q_row + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
+        qb = tl.load(q_row + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
+        q_max = tl.maximum(tl.max(tl.abs(qa), axis=1), tl.max(tl.abs(qb), axis=1))
+        q_step = tl.where(q_max > 0, q_max / 127.0, 1.0)
+        qa = qa / q_step[:, None]
+        qb = qb / q_step[:, None]
+        qa_hi = tl.floor(qa + 0.5)
+        qb_hi = tl.floor(qb + 0.5)
+        qa_lo = tl.floor((qa - qa_hi) * 254.0 + 0.5)
+        qb_lo = tl.floor((qb - qb_hi) * 254.0 + 0.5)
+        # Scores accumulate 254 hi + lo as int32. A key code t stands for (t + 1/2) * k_step: the halves
+        # add sum(q) / 2 to every score.
+        q_half_sum = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1))
+        q_gain = q_step * (k_step / 254.0)
+        qa_hi = qa_hi.to(tl.int8)
+        qb_hi = qb_hi.to(tl.int8)
+        qa_lo = qa_lo.to(tl.int8)
+        qb_lo = qb_lo.to(tl.int8)
+    else:
+        q_even = tl.load(q_row + even[None, :], mask=d_ok, other=0.0)
+        q_odd = tl.load(q_row + even[None, :] + 1, mask=d_ok, other=0.0)
     q_pos = ctx_len + q_idx  # absolute position of each row's query token
 
     last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -113,12 +147,20 @@ def _attention_kernel(
         phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         page = phys * stride_cblock + kv_head * stride_chead
         off = n % BLOCK_SIZE
-        k_even, k_odd = load_halves(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, ASM, K_BITS, HEAD_DIM,
-                                     D_PAD, BLOCK_N)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
-        s = _mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
-        s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * k_norm[None, :]
+        if K_BITS == 4:
+            ka, kb = load_int8_quads(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, K_ASM, HEAD_DIM, D_PAD)
+            ka = tl.trans(ka)
+            kb = tl.trans(kb)
+            s = _int_mma(qb_hi, kb, _int_mma(qa_hi, ka, tl.zeros((BLOCK_M, BLOCK_N), tl.int32), UPCAST), UPCAST)
+            s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
+            s = (s.to(tl.float32) + q_half_sum[:, None]) * q_gain[:, None] * k_norm[None, :]
+        else:
+            k_even, k_odd = load_halves(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, ASM, K_BITS, HEAD_DIM,
+                                        D_PAD, BLOCK_N)
+            s = _mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
+            s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * k_norm[None, :]
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
         allowed = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
@@ -158,6 +200,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_
     return max(1, min(32, next_pow2(math.ceil(2 * num_sms / programs))))
 
 
+def decode_max_registers(layout: CacheLayout) -> int:
+    """tq4 decode at head_dim <= 128: 128 registers (4 blocks per SM instead of 2) are 1.10-1.13x faster
+    although a few values spill (benchmarks/results/decode_kernel_registers.log); elsewhere the cap loses."""
+    tq4 = layout.preset.k_bits == 4 and layout.preset.v_bits == 4
+    return 128 if tq4 and layout.head_dim <= 128 else 0
+
+
 def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:
     """fp32 elements of scratch: each split's partials (accumulator, row max, row sum) per output row."""
     return (num_tokens * num_q_heads * num_splits * (head_dim + 2),)
@@ -182,9 +231,11 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     key_calibration: KeyCalibration | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
-    key_calibration: the one the pages' keys were stored with (see core.calibration)."""
+    key_calibration: the one the pages' keys were stored with (see core.calibration); max_registers:
+    per thread (0: the compiler's choice; None: decode_max_registers)."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)
     check_cache(kv_cache, layout)
@@ -206,6 +257,8 @@ def paged_attention(
     decode_only = max_query_len == 1
     block_q = 1 if decode_only else max(1, 64 // g_pad)
     block_m = max(16, block_q * g_pad)
+    if max_registers is None:
+        max_registers = decode_max_registers(layout) if decode_only else 0
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, layout.num_kv_heads) if decode_only else 1
     num_splits = next_pow2(num_splits)
@@ -221,14 +274,16 @@ def paged_attention(
     if key_calibration is not None:
         check_calibration(key_calibration, layout)
     c = kernel_constants(layout, query.device)
-    # MMA operands are fp16 whatever the model dtype: 3 more mantissa bits than bf16, same speed.
+    # MMA operands are fp16 whatever the model dtype (3 more mantissa bits than bf16, same speed), but for
+    # 4-bit keys: int8 keys and int8 hi / lo parts of the queries (exact products, see the kernel).
     q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
     grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
     _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
-        q_rot, kv_cache, block_table, query_start_loc, seq_lens, c.key_values[torch.float16], c.value_values[torch.float16],
+        q_rot, kv_cache, block_table, query_start_loc, seq_lens,
+        c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16], c.value_values[torch.float16],
         part_acc, part_ml,
         num_seqs, q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        sliding_window or 0, float(softcap or 0.0),
+        sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
         NUM_Q_HEADS=num_q_heads, GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
         HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_SIZE=layout.block_size,
@@ -236,7 +291,7 @@ def paged_attention(
         K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
-        ASM="" if INTERPRETED else c.nibble_asm,
-        num_warps=num_warps, num_stages=num_stages,
+        ASM="" if INTERPRETED else c.nibble_asm, K_ASM="" if INTERPRETED else c.key_int8_asm,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )
     return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout)

@@ -78,6 +78,52 @@ def nibble_lookup_asm(magnitudes_fp16: list[int]) -> str:
 }}"""
 
 
+def nibble_int8_asm(table: list[int]) -> str:
+    """PTX that turns 4 bytes of 4-bit sign-magnitude codes into 8 int8 values with byte permutes.
+
+    table: the 8 magnitudes as int8 t >= 0 standing for t + 1/2; a negative code is ~t = -(t + 1/2) - 1/2,
+    so the sign is one xor. One prmt looks up 4 codes' magnitudes, one turns their sign bits into
+    0x00 / 0xff bytes (prmt's sign-replicate mode on the word and the word << 4). 10 ops per 8 values.
+    Outputs: $0 = values of coordinates 0..3 of the 4 bytes (natural order), $1 = coordinates 4..7;
+    $2 = the 4 input bytes.
+    """
+    word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
+    return f"""{{
+    .reg .b32 t0, t1, s, w4, m;
+    mov.b32 t0, {word(table[:4]):#x}; mov.b32 t1, {word(table[4:]):#x};
+    shl.b32 w4, $2, 4;
+    and.b32 s, $2, 0x7777;
+    prmt.b32 m, t0, t1, s;
+    prmt.b32 s, $2, w4, 0x9D8C;
+    xor.b32 $0, m, s;
+    shr.u32 s, $2, 16;
+    and.b32 s, s, 0x7777;
+    prmt.b32 m, t0, t1, s;
+    prmt.b32 s, $2, w4, 0xBFAE;
+    xor.b32 $1, m, s;
+}}"""
+
+
+@triton.jit
+def load_int8_quads(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr):
+    """4-bit codes of records at rec_base as int8 values (value + 1/2 in units of the table's scale):
+    (coordinates 8i + 0..3, coordinates 8i + 4..7) for i < D_PAD / 8, each (BLOCK_N, D_PAD / 2)."""
+    DH: tl.constexpr = D_PAD // 2
+    j = tl.arange(0, DH)
+    if ASM != "":
+        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=valid[:, None] & (j[None, :] < HEAD_DIM // 2),
+                         other=0)
+        a, b = tl.inline_asm_elementwise(ASM, "=r,=r,r", [packed], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+        return a, b
+    byte = 4 * (j // 4) + (j % 4) // 2  # byte of coordinate 8 (j // 4) + j % 4, nibble j % 2
+    ok = valid[:, None] & (byte[None, :] < HEAD_DIM // 2)
+    a = tl.load(cache_ptr + rec_base[:, None] + byte[None, :], mask=ok, other=0).to(tl.int32)
+    b = tl.load(cache_ptr + rec_base[:, None] + 2 + byte[None, :], mask=ok, other=0).to(tl.int32)
+    shift = 4 * (j % 2)[None, :]
+    return tl.load(lut_ptr + ((a >> shift) & 15)), tl.load(lut_ptr + ((b >> shift) & 15))
+
+
 @triton.jit
 def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
                  BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -94,7 +140,17 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
             even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
             odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
         return even, odd
-    if BITS == 3 or BITS == 5:  # two planes: the low BITS - 1 bits, then the sign bit (see core.packing)
+    if BITS == 5:  # the low 4 bits as 4-bit codes (byte j: coordinates 2j, 2j+1), then the sign plane
+        j = tl.arange(0, DH)
+        ok = valid[:, None] & (j[None, :] < HEAD_DIM // 2)
+        low = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
+        # The sign byte of coordinates 2j, 2j+1 is read once per pair (L1 hits): no reshape of code planes.
+        sign = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM // 2 + j[None, :] // 4, mask=ok, other=0).to(tl.int32)
+        sign = sign >> (2 * (j[None, :] % 4))
+        even = tl.load(lut_ptr + ((low & 15) | ((sign & 1) << 4)))
+        odd = tl.load(lut_ptr + ((low >> 4) | ((sign & 2) << 3)))
+        return even, odd
+    if BITS == 3:  # two planes: the low 2 bits, then the sign bit (see core.packing)
         LOW: tl.constexpr = BITS - 1
         jl = tl.arange(0, D_PAD * LOW // 8)
         lo = tl.load(cache_ptr + rec_base[:, None] + jl[None, :],

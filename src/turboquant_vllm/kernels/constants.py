@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.layout import CacheLayout
-from ..core.codebook import lloyd_max
 from ..core.quantizer import Quantizer
-from .common import nibble_lookup_asm
+from .common import nibble_int8_asm, nibble_lookup_asm
 
 
 @dataclass(frozen=True)
@@ -21,6 +20,9 @@ class KernelConstants:
     key_values: dict  # dtype -> (2^k_bits,) code values
     value_values: dict
     nibble_asm: str  # PTX lookup of 4-bit codes (kernels.common.nibble_lookup_asm)
+    key_int8: torch.Tensor | None  # 4-bit keys: (16,) int8 t per code, standing for (t + 1/2) * key_int8_step
+    key_int8_step: float
+    key_int8_asm: str  # PTX lookup of 4-bit key codes as int8 (kernels.common.nibble_int8_asm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,8 +37,18 @@ def _constants(k_bits: int, v_bits: int, head_dim: int, device: torch.device) ->
         pad(vq.boundaries(device)),
         {dt: kq.code_values(device, dt) for dt in dtypes},
         {dt: vq.code_values(device, dt) for dt in dtypes},
-        nibble_lookup_asm(_fp16_bits(lloyd_max(4, head_dim).magnitudes)),
+        nibble_lookup_asm(_fp16_bits(Quantizer(4, head_dim).codebook.magnitudes)),
+        *_key_int8(kq, device),
     )
+
+
+def _key_int8(kq: Quantizer, device: torch.device) -> tuple[torch.Tensor | None, float, str]:
+    """4-bit keys: the int8 lookup table of every code, its step and the PTX that looks it up."""
+    if kq.bits != 4:
+        return None, 0.0, ""
+    table = kq.codebook.int8_table()
+    signed = table + [~t for t in table]  # sign-magnitude codes: the negative of t + 1/2 is ~t + 1/2
+    return torch.tensor(signed, dtype=torch.int8, device=device), kq.codebook.int8_step, nibble_int8_asm(table)
 
 
 def _fp16_bits(values) -> list[int]:
