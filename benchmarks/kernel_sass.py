@@ -48,7 +48,8 @@ def main() -> None:
         USE_SOFTCAP=False, UPCAST=False, ASM=_constants(4, 4, 128, "cpu").nibble_asm,
         K_ASM=_constants(layout.preset.k_bits, layout.preset.v_bits, 128, "cpu").key_int8_asm)
     names = attention._attention_kernel.arg_names
-    signature = {n: POINTERS.get(n, "constexpr" if n in consts else "fp32" if n in ("softcap", "k_step") else "i32") for n in names}
+    pointers = dict(POINTERS, k_lut_ptr="*i8" if layout.preset.k_bits == 4 else "*fp16")
+    signature = {n: pointers.get(n, "constexpr" if n in consts else "fp32" if n in ("softcap", "k_step") else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in DIVISIBLE}
     kernel = triton.compile(ASTSource(attention._attention_kernel, signature, consts, attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps, **({"maxnreg": args.maxnreg} if args.maxnreg else {}),

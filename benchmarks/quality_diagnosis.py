@@ -50,7 +50,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from reference_lm.model import Llama, ModelConfig, rope_cos_sin  # noqa: E402
 from turboquant_vllm.core.calibration import load_calibration  # noqa: E402
-from turboquant_vllm.core.codebook import lloyd_max  # noqa: E402
+from turboquant_vllm.core.codebook import codebook, lloyd_max  # noqa: E402
 from turboquant_vllm.core.presets import NORM_BYTES  # noqa: E402
 from turboquant_vllm.core.quantizer import Quantizer  # noqa: E402
 from turboquant_vllm.core.rotation import rotation_matrix  # noqa: E402
@@ -204,8 +204,8 @@ def sphere_histogram(dim: int, bins: int = 1 << 16) -> Histogram:
 
 @functools.cache
 def sphere_magnitudes(bits: int, dim: int) -> torch.Tensor:
-    """The sphere marginal's Lloyd-Max magnitudes (core's closed form): fitted codebooks start there."""
-    return torch.tensor(lloyd_max(bits, dim).magnitudes)
+    """The magnitudes core quantizes with (Lloyd-Max on the sphere marginal; 4 bits on the int8 grid)."""
+    return torch.tensor(codebook(bits, dim).magnitudes)
 
 
 def gaussian_start(bits: int, dim: int) -> np.ndarray:

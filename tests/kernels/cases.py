@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from turboquant_vllm.core.calibration import KeyCalibration
-from turboquant_vllm.core.layout import CacheLayout
-from turboquant_vllm.core.presets import get_preset
+from turboquant_vllm.core.layout import K5_MIN_HEAD_DIM, CacheLayout
+from turboquant_vllm.core.presets import PRESETS, get_preset
 
 
 @dataclass
@@ -54,3 +55,9 @@ def random_calibration(gen, kv_heads: int, head_dim: int, device) -> KeyCalibrat
     mean = torch.randn(kv_heads, head_dim, generator=gen)
     scale = torch.exp(torch.empty(kv_heads, head_dim).uniform_(-1.4, 1.4, generator=gen))
     return KeyCalibration(mean, scale).to(device)
+
+
+def skip_if_refused(preset: str, head_dim: int) -> None:
+    """Combinations CacheLayout refuses (tests/core/test_presets.py checks the refusal)."""
+    if PRESETS[preset].k_bits == 5 and head_dim < K5_MIN_HEAD_DIM:
+        pytest.skip(f"{preset} at head_dim {head_dim} is refused")

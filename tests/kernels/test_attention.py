@@ -7,6 +7,7 @@ import torch
 
 from tests.conftest import DEVICE, FULL_MATRIX
 from tests.kernels.cases import make_paged_batch, random_calibration
+from turboquant_vllm.core.layout import K5_MIN_HEAD_DIM
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.reference import paged_attention_reference, store_kv_reference
 from turboquant_vllm.kernels import attention_workspace_shape, paged_attention
@@ -30,13 +31,17 @@ def draw_case(i: int) -> dict:
             q = rng.randint(1, 2000)
         seq_lens.append(n)
         q_lens.append(q)
+    preset = list(PRESETS)[i % len(PRESETS)]
+    head_dim = [64, 96, 128, 256][(i // 8) % 4]
+    if PRESETS[preset].k_bits == 5 and head_dim < K5_MIN_HEAD_DIM:  # refused (tests/core/test_layout.py)
+        head_dim = 128
     return dict(
         dtype=[torch.bfloat16, torch.float16][(i // 4) % 2],
-        head_dim=[64, 96, 128, 256][(i // 8) % 4],
+        head_dim=head_dim,
         group=[1, 4, 8][i % 3],
         kv_heads=rng.choice([1, 2]),
         block_size=[16, 32][(i // 2) % 2],
-        preset=list(PRESETS)[i % len(PRESETS)],
+        preset=preset,
         seq_lens=seq_lens,
         q_lens=q_lens,
         window=rng.choice([None] * 4 + [rng.randint(1, 300)]),

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.kernels.cases import make_paged_batch
+from tests.kernels.cases import make_paged_batch, skip_if_refused
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.reference import read_kv_reference, store_kv_reference
 from turboquant_vllm.kernels import dequantize_pages
@@ -12,6 +12,7 @@ from turboquant_vllm.kernels import dequantize_pages
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (96, 32), (128, 16), (256, 32)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequantize_matches_reference(preset, head_dim, block_size, dtype):
+    skip_if_refused(preset, head_dim)
     gen = torch.Generator().manual_seed(head_dim + block_size)
     seq_lens = [70, 1, 33]
     b = make_paged_batch(gen, preset, head_dim, 2, block_size, seq_lens, dtype, DEVICE)

@@ -140,16 +140,6 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
             even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
             odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
         return even, odd
-    if BITS == 5:  # the low 4 bits as 4-bit codes (byte j: coordinates 2j, 2j+1), then the sign plane
-        j = tl.arange(0, DH)
-        ok = valid[:, None] & (j[None, :] < HEAD_DIM // 2)
-        low = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
-        # The sign byte of coordinates 2j, 2j+1 is read once per pair (L1 hits): no reshape of code planes.
-        sign = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM // 2 + j[None, :] // 4, mask=ok, other=0).to(tl.int32)
-        sign = sign >> (2 * (j[None, :] % 4))
-        even = tl.load(lut_ptr + ((low & 15) | ((sign & 1) << 4)))
-        odd = tl.load(lut_ptr + ((low >> 4) | ((sign & 2) << 3)))
-        return even, odd
     if BITS == 3:  # two planes: the low 2 bits, then the sign bit (see core.packing)
         LOW: tl.constexpr = BITS - 1
         jl = tl.arange(0, D_PAD * LOW // 8)
@@ -160,13 +150,23 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
                      mask=valid[:, None] & (jh[None, :] < HEAD_DIM // 8), other=0)
         code = (plane_bytes_to_codes(lo, BLOCK_N, D_PAD * LOW // 8, LOW)
                 | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << LOW))
+    elif BITS == 5:  # the low 4 bits as 4-bit codes (byte j: coordinates 2j, 2j+1), then the sign plane
+        j = tl.arange(0, DH)
+        ok = valid[:, None] & (j[None, :] < HEAD_DIM // 2)
+        low = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
+        # The sign byte of coordinates 2j, 2j+1 is read once per pair (L1 hits): no reshape of code planes.
+        sign = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM // 2 + j[None, :] // 4, mask=ok, other=0).to(tl.int32)
+        sign = sign >> (2 * (j[None, :] % 4))
+        even = tl.load(lut_ptr + ((low & 15) | ((sign & 1) << 4)))
+        odd = tl.load(lut_ptr + ((low >> 4) | ((sign & 2) << 3)))
     else:
         j = tl.arange(0, D_PAD * BITS // 8)
         packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :],
                          mask=valid[:, None] & (j[None, :] < HEAD_DIM * BITS // 8), other=0)
         code = plane_bytes_to_codes(packed, BLOCK_N, D_PAD * BITS // 8, BITS)
-    values = tl.load(lut_ptr + code)
-    return tl.split(tl.reshape(values, (BLOCK_N, DH, 2)))
+    if BITS != 5:
+        even, odd = tl.split(tl.reshape(tl.load(lut_ptr + code), (BLOCK_N, DH, 2)))
+    return even, odd
 
 
 def check_dtype(name: str, t: torch.Tensor) -> None:
