@@ -142,6 +142,12 @@ def test_kv_cache_shape_is_the_compressed_layout():
         TQ4AttentionBackend.get_kv_cache_shape(10, 8, 8, 128)
 
 
+def test_a_preset_refuses_head_sizes_it_does_not_serve(monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_PRESET", "k5v4")
+    assert any("k5v4 needs head_dim >= 96" in r and "tq4" in r for r in validate(head_size=64))
+    assert validate(head_size=128) == []
+
+
 def test_kv_cache_shape_follows_the_preset(monkeypatch):
     monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
     assert TQ4AttentionBackend.get_kv_cache_shape(2, 16, 4, 128) == (2, 4, 16 * 104)

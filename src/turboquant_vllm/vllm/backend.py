@@ -341,7 +341,10 @@ class TQ4AttentionBackend(AttentionBackend):
         vllm_config = compat.current_vllm_config()
         reasons += compat.config_problems(vllm_config)
         try:
-            process_preset(vllm_config)
+            preset = process_preset(vllm_config)
+            head_size = kwargs.get("head_size")
+            if head_size is not None and cls.supports_head_size(head_size):
+                CacheLayout(preset, head_size, 1, KERNEL_BLOCK_MULTIPLE)  # the preset's own head-size limits
         except ValueError as exc:
             reasons.append(str(exc))
         return reasons
