@@ -123,3 +123,15 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,
                         out=torch.empty_like(q))
+
+
+def test_register_cap_only_where_it_was_measured_to_pay():
+    """tq4 decode at head_dim <= 128 runs with 128 registers; every other case keeps the compiler's choice
+    (benchmarks/results/decode_kernel_registers.log: the cap loses for k4v3, tq3, k5v4 and head_dim 256)."""
+    from turboquant_vllm.core.layout import CacheLayout
+    from turboquant_vllm.core.presets import get_preset
+    from turboquant_vllm.kernels.attention import decode_max_registers
+
+    caps = {(p, d): decode_max_registers(CacheLayout(get_preset(p), d, 4, 16))
+            for p in ("tq4", "k4v3", "tq3", "k5v4") for d in (96, 128, 256)}
+    assert caps == {(p, d): 128 if p == "tq4" and d <= 128 else 0 for p, d in caps}
