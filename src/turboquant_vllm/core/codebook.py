@@ -108,7 +108,7 @@ def codebook(bits: int, dim: int) -> Codebook:
     if bits != 4:
         return cb
     best = None
-    for top in np.linspace(64.5, 127.5, 2521):  # the largest magnitude is (top) * step, top - 1/2 an integer or not
+    for top in np.linspace(64.5, 127.5, 2521):  # candidate steps: the largest magnitude is `top` steps
         step = cb.magnitudes[-1] / top
         mags = (np.clip(np.round(cb.magnitudes / step - 0.5), 0, 127) + 0.5) * step
         if np.all(np.diff(mags) > 0):
@@ -127,4 +127,3 @@ def gaussian_limit_distortion(bits: int) -> float:
 def shannon_bound(bits: int) -> float:
     """Rate-distortion lower bound 4^-bits for a unit vector."""
     return 4.0 ** (-bits)
-

@@ -81,8 +81,8 @@ def nibble_lookup_asm(magnitudes_fp16: list[int]) -> str:
 def nibble_int8_asm(table: list[int]) -> str:
     """PTX that turns 4 bytes of 4-bit sign-magnitude codes into 8 int8 values with byte permutes.
 
-    table: the 8 magnitudes as int8 t >= 0 standing for t + 1/2; a negative code is ~t = -(t + 1/2) - 1/2,
-    so the sign is one xor. One prmt looks up 4 codes' magnitudes, one turns their sign bits into
+    table: the 8 magnitudes as int8 t >= 0 standing for t + 1/2; the negative of t + 1/2 is ~t + 1/2
+    (~t = -t - 1), so the sign is one xor. One prmt looks up 4 codes' magnitudes, one turns their sign bits into
     0x00 / 0xff bytes (prmt's sign-replicate mode on the word and the word << 4). 10 ops per 8 values.
     Outputs: $0 = values of coordinates 0..3 of the 4 bytes (natural order), $1 = coordinates 4..7;
     $2 = the 4 input bytes.
@@ -107,7 +107,7 @@ def nibble_int8_asm(table: list[int]) -> str:
 @triton.jit
 def load_int8_quads(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D_PAD: tl.constexpr):
-    """4-bit codes of records at rec_base as int8 values (value + 1/2 in units of the table's scale):
+    """4-bit codes of records at rec_base as int8 t standing for (t + 1/2) * the codebook's int8_step:
     (coordinates 8i + 0..3, coordinates 8i + 4..7) for i < D_PAD / 8, each (BLOCK_N, D_PAD / 2)."""
     DH: tl.constexpr = D_PAD // 2
     j = tl.arange(0, DH)
