@@ -107,6 +107,7 @@ class KVConfig:
     center: str = ""  # "k", "v" or "kv": quantize x - c, c a fixed per-(layer, head) mean vector (see kv_hook)
     key_cal: str = ""  # "mean", "scale" or "mean+scale" of the shipped key calibration file (see kv_hook)
     k_codebook: str = ""  # "": the sphere marginal's Lloyd-Max; "fitted": per layer, to the keys (see Fitted)
+    exact_lloyd_max: bool = False  # K and V with lloyd_max's magnitudes, not core's codebook (4 bits: int8 grid)
 
     def quantized(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -315,8 +316,11 @@ def kv_hook(cfg: KVConfig, fitted: Fitted | None = None):
 
         shift, scale = fitted.key_transform(cfg, layer) if fitted else (None, None)
         cv = fitted.centers[layer][1] if "v" in cfg.center else None
-        return (one(k, cfg.k, "k" in cfg.nc, shift, scale, fitted.key_magnitudes(cfg, layer) if fitted else None),
-                one(v, cfg.v, "v" in cfg.nc, cv))
+        k_mags = fitted.key_magnitudes(cfg, layer) if fitted else None
+        v_mags = None
+        if cfg.exact_lloyd_max:
+            k_mags, v_mags = (torch.tensor(lloyd_max(b, k.shape[-1]).magnitudes) for b in (cfg.k, cfg.v))
+        return one(k, cfg.k, "k" in cfg.nc, shift, scale, k_mags), one(v, cfg.v, "v" in cfg.nc, cv, mags=v_mags)
 
     return hook
 
@@ -369,6 +373,10 @@ def configurations(num_layers: int) -> list[tuple[str, KVConfig]]:
         k_codebook="fitted")
     add("fitted key codebook", f"k5v3 nc KV, cal {cal}, fitted K codebook", k=5, v=3, nc="kv", key_cal=cal,
         k_codebook="fitted")
+    # The int8 grid the 4-bit codebook lies on (core.codebook.codebook), against exact Lloyd-Max magnitudes.
+    add("4-bit codebook on the int8 grid", "tq4 nc KV, exact Lloyd-Max", k=4, v=4, nc="kv", exact_lloyd_max=True)
+    add("4-bit codebook on the int8 grid", f"tq4 nc KV, cal {cal}, exact Lloyd-Max", k=4, v=4, nc="kv", key_cal=cal,
+        exact_lloyd_max=True)
     add("exact boundary layers + cal", f"tq4 nc KV, cal {cal}, all but layers 0, {last}", k=4, v=4, nc="kv",
         key_cal=cal, layers=tuple(range(1, last)))
     add("exact boundary layers + cal", f"k5v3 nc KV, cal {cal}, all but layers 0, {last}", k=5, v=3, nc="kv",
@@ -389,6 +397,8 @@ def comparisons(num_layers: int) -> list[tuple[str, str, str]]:
     for name in ("k5v3", "k5v4"):
         rows += [(f"{name} vs tq4", f"{name} nc KV", "tq4 nc KV"),
                  (f"{name} vs tq4, both calibrated", f"{name} nc KV, {cal}", f"tq4 nc KV, {cal}")]
+    rows += [("int8 grid vs exact Lloyd-Max", "tq4 nc KV", "tq4 nc KV, exact Lloyd-Max"),
+             ("int8 grid vs exact Lloyd-Max, calibrated", f"tq4 nc KV, {cal}", f"tq4 nc KV, {cal}, exact Lloyd-Max")]
     rows += [("fitted tq4 key codebook", "tq4 nc KV, fitted K codebook", "tq4 nc KV"),
              ("fitted tq4 key codebook, calibrated", f"tq4 nc KV, {cal}, fitted K codebook", f"tq4 nc KV, {cal}"),
              ("fitted k5 key codebook, calibrated", f"k5v3 nc KV, {cal}, fitted K codebook", f"k5v3 nc KV, {cal}"),
