@@ -107,6 +107,28 @@ def test_workspace_is_caller_provided():
         paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws[:10], num_splits=4)
 
 
+@pytest.mark.parametrize("preset,dtype", [("tq4", torch.bfloat16), ("tq3", torch.float16)])
+@pytest.mark.parametrize("q_len", [1, 40])
+def test_value_norms_from_zero_past_the_fp16_range(preset, dtype, q_len):
+    """Value norms enter the kernel's exponent (log2 of the norm): zero vectors keep their softmax weight and
+    norms past fp16's 65504 neither overflow nor swamp the small ones. Checked per output row: a kernel that
+    scaled p * norm by the tile's largest norm into fp16 erred up to 0.59 on rows led by a small-norm token."""
+    gen = torch.Generator().manual_seed(7)
+    b = make_paged_batch(gen, preset, 128, 2, 16, [300, 77], dtype, DEVICE)
+    spread = 10.0 ** torch.empty(b.values.shape[0], 2, 1).uniform_(-4, 3.5, generator=gen)
+    spread[::7] = 0.0  # every 7th token's values are exactly zero
+    values = (b.values.float().cpu() * spread).to(dtype).to(DEVICE)
+    store_kv_reference(b.keys, values, b.kv_cache, b.slot_mapping, b.layout)
+    qsl = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32, device=DEVICE)
+    q = (torch.randn(2 * q_len, 8, 128, generator=gen) * 2).to(dtype).to(DEVICE)
+    args = (q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(*args, max_query_len=q_len, scale=128**-0.5, out=out, num_splits=None if q_len > 1 else 3)
+    ref = paged_attention_reference(*args, 128**-0.5)
+    assert not torch.isnan(out).any() and not torch.isinf(out).any()
+    assert ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 2e-2
+
+
 def test_rejects_bad_input():
     gen = torch.Generator().manual_seed(6)
     b = make_paged_batch(gen, "tq4", 64, 2, 16, [10], torch.float16, DEVICE)

@@ -6,7 +6,7 @@ Attention runs in the rotated basis: q.k = ||k|| (R q).value[code_k] and
 sum_j p_j v_j = R^T sum_j p_j ||v_j|| value[code_v,j]. kernels.rotation rotates the queries once
 before and the outputs once after (merging the splits there); the inner loop is load codes ->
 unpack -> table lookup -> MMA, with the norms applied to the scores (keys) and to the
-probabilities (values), never per element. 4-bit keys decode to int8 (one byte permute per 4 codes,
+exponents (values: log2 of the norm), never per element. 4-bit keys decode to int8 (one byte permute per 4 codes,
 the codebook lies on an int8 grid: core.codebook.codebook) and meet the queries' int8 hi / lo parts
 in exact integer MMAs; values decode to fp16.
 
@@ -86,6 +86,7 @@ def _attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
 
+    LOG2E: tl.constexpr = 1.4426950408889634
     rows = tl.arange(0, BLOCK_M)
     q_idx = tile * BLOCK_Q + rows // G_PAD  # query token within the sequence
     g = rows % G_PAD
@@ -114,8 +115,9 @@ def _attention_kernel(
         qb_lo = tl.floor((qb - qb_hi) * 254.0 + 0.5)
         # Scores accumulate 254 hi + lo as int32. A key code t stands for (t + 1/2) * k_step: the halves
         # add sum(q) / 2 to every score.
-        q_half_sum = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1))
-        q_gain = q_step * (k_step / 254.0)
+        # Scores come out in log2 units (what exp2 wants) unless a soft-cap needs them in natural ones first.
+        q_gain = q_step * (k_step / 254.0) * (1.0 if USE_SOFTCAP else LOG2E)
+        q_half = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1)) * q_gain
         qa_hi = qa_hi.to(tl.int8)
         qb_hi = qb_hi.to(tl.int8)
         qa_lo = qa_lo.to(tl.int8)
@@ -139,7 +141,6 @@ def _attention_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc_even = tl.zeros((BLOCK_M, DH), tl.float32)
     acc_odd = tl.zeros((BLOCK_M, DH), tl.float32)
-    LOG2E: tl.constexpr = 1.4426950408889634
     cols = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + cols
@@ -155,33 +156,44 @@ def _attention_kernel(
             kb = tl.trans(kb)
             s = _int_mma(qb_hi, kb, _int_mma(qa_hi, ka, tl.zeros((BLOCK_M, BLOCK_N), tl.int32), UPCAST), UPCAST)
             s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
-            s = (s.to(tl.float32) + q_half_sum[:, None]) * q_gain[:, None] * k_norm[None, :]
+            s = (s.to(tl.float32) * q_gain[:, None] + q_half[:, None]) * k_norm[None, :]
         else:
             k_even, k_odd = load_halves(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, ASM, K_BITS, HEAD_DIM,
                                         D_PAD, BLOCK_N)
             s = _mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
-            s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * k_norm[None, :]
+            s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * (k_norm * (1.0 if USE_SOFTCAP else LOG2E))[None, :]
         if USE_SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        allowed = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E  # softcap * tanh(s / softcap)
+        if DECODE_ONLY:  # the one query is the last token: n < end is the causal mask
+            allowed = n_ok[None, :]
+        else:
+            allowed = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed &= n[None, :] > q_pos[:, None] - sliding_window
-        s = tl.where(allowed, s * LOG2E, float("-inf"))
+        # Value norms join the exponent: p_j ||v_j|| = exp2(s_j + log2 ||v_j|| - m) <= 1 fits the fp16 operand with
+        # no reduction over the tile's norms (each one costs the block a barrier); l divides the norms out again.
+        # The 2^-60 floor keeps a zero norm's weight in l: fp32 holds p down to 2^-126, so norms up to ~2^50 are safe.
+        v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
+                         other=1.0)
+        v_norm = tl.maximum(v_norm, 8.673617379884035e-19)  # 2^-60
+        if UPCAST:
+            log_norm = tl.log2(v_norm)
+            inv_norm = 1.0 / v_norm
+        else:  # the hardware's approximations (~2^-22 relative): the libdevice log2 is a branchy routine
+            log_norm, inv_norm = tl.inline_asm_elementwise("lg2.approx.f32 $0, $2; rcp.approx.f32 $1, $2;", "=r,=r,r",
+                                                           [v_norm], dtype=(tl.float32, tl.float32), is_pure=True,
+                                                           pack=1)
+        s = tl.where(allowed, s + log_norm[None, :], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.sum(p * inv_norm[None, :], axis=1)
         v_even, v_odd = load_halves(cache_ptr, page + V_CODE_OFF + off * V_CODE_BYTES, n_ok, v_lut_ptr, ASM, V_BITS,
                                      HEAD_DIM, D_PAD, BLOCK_N)
-        v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
-                         other=0.0)
-        # Fold the value norms into p, scaled into [0, 1] so any norm fits the fp16 operand.
-        v_scale = tl.max(v_norm, axis=0)
-        v_scale = tl.where(v_scale > 0, v_scale, 1.0)
-        pv = (p * (v_norm / v_scale)[None, :]).to(tl.float16)
-        acc_even = acc_even * alpha[:, None] + v_scale * _mma(pv, v_even, tl.zeros((BLOCK_M, DH), tl.float32), UPCAST)
-        acc_odd = acc_odd * alpha[:, None] + v_scale * _mma(pv, v_odd, tl.zeros((BLOCK_M, DH), tl.float32), UPCAST)
+        pv = p.to(tl.float16)
+        acc_even = _mma(pv, v_even, acc_even * alpha[:, None], UPCAST)
+        acc_odd = _mma(pv, v_odd, acc_odd * alpha[:, None], UPCAST)
         m_i = m_new
 
     # Partials of this split; kernels.rotation merges the splits and leaves the rotated basis.
