@@ -186,7 +186,7 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
                               ["KV tokens that fit", "decode tok/s, 64 x 8k", "decode tok/s, 32 x 32k"]):
         ax.bar(names, [r[key] or 0 for r in rows])
         ax.set_title(title)
-        ax.tick_params(axis="x", rotation=45)
+        plt.setp(ax.get_xticklabels(), rotation=40, ha="right")
     fig.suptitle(shape)
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=120)
