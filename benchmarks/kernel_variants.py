@@ -2,7 +2,7 @@
 plus the relative error against core.reference on 2 sequences (one with a ragged tail).
 
     git archive <commit> src | tar -x -C build/base       # one tree per version to compare
-    python benchmarks/kernel_variants.py build/base [name=warps,block_n,maxnreg ...]   # maxnreg 0: no cap
+    python benchmarks/kernel_variants.py build/base [name=warps,block_n,maxnreg[,stages] ...]  # maxnreg 0: no cap
     MORE=1 python benchmarks/kernel_variants.py ...       # also k4v3, tq3 and tq4 at head_dim 256 / 64
 
 Shapes: 16 q / 4 KV heads at 64 x 8k and 32 x 32k, 32 / 8 at 64 x 8k (d 128); value norms spread over 4x.
@@ -34,8 +34,8 @@ def configs(specs: list[str]) -> dict[str, dict]:
     out = {"policy": {}}  # the launch paged_attention chooses itself
     for spec in specs:
         name, values = spec.split("=")
-        warps, block_n, regs = map(int, values.split(","))
-        out[name] = {"num_warps": warps, "block_n": block_n, "max_registers": regs}
+        warps, block_n, regs, *stages = map(int, values.split(","))
+        out[name] = {"num_warps": warps, "block_n": block_n, "max_registers": regs, "num_stages": (stages or [3])[0]}
     return out
 
 
