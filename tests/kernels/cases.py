@@ -57,7 +57,11 @@ def random_calibration(gen, kv_heads: int, head_dim: int, device) -> KeyCalibrat
     return KeyCalibration(mean, scale).to(device)
 
 
-def skip_if_refused(preset: str, head_dim: int) -> None:
+def refused(preset: str, head_dim: int) -> bool:
     """Combinations CacheLayout refuses (tests/core/test_presets.py checks the refusal)."""
-    if PRESETS[preset].k_bits == 5 and head_dim < K5_MIN_HEAD_DIM:
+    return PRESETS[preset].k_bits == 5 and head_dim < K5_MIN_HEAD_DIM
+
+
+def skip_if_refused(preset: str, head_dim: int) -> None:
+    if refused(preset, head_dim):
         pytest.skip(f"{preset} at head_dim {head_dim} is refused")

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE, FULL_MATRIX
-from tests.kernels.cases import make_paged_batch, random_calibration
-from turboquant_vllm.core.layout import K5_MIN_HEAD_DIM
+from tests.kernels.cases import make_paged_batch, random_calibration, refused
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.reference import paged_attention_reference, store_kv_reference
 from turboquant_vllm.kernels import attention_workspace_shape, paged_attention
@@ -33,7 +32,7 @@ def draw_case(i: int) -> dict:
         q_lens.append(q)
     preset = list(PRESETS)[i % len(PRESETS)]
     head_dim = [64, 96, 128, 256][(i // 8) % 4]
-    if PRESETS[preset].k_bits == 5 and head_dim < K5_MIN_HEAD_DIM:  # refused (tests/core/test_layout.py)
+    if refused(preset, head_dim):
         head_dim = 128
     return dict(
         dtype=[torch.bfloat16, torch.float16][(i // 4) % 2],

@@ -87,6 +87,8 @@ def _attention_kernel(
     ctx_len = seq_len - q_len
 
     LOG2E: tl.constexpr = 1.4426950408889634
+    # Scores come out in log2 units (what exp2 wants) unless a soft-cap needs them in natural ones first.
+    SCORE_UNIT: tl.constexpr = 1.0 if USE_SOFTCAP else LOG2E
     rows = tl.arange(0, BLOCK_M)
     q_idx = tile * BLOCK_Q + rows // G_PAD  # query token within the sequence
     g = rows % G_PAD
@@ -115,8 +117,7 @@ def _attention_kernel(
         qb_lo = tl.floor((qb - qb_hi) * 254.0 + 0.5)
         # Scores accumulate 254 hi + lo as int32. A key code t stands for (t + 1/2) * k_step: the halves
         # add sum(q) / 2 to every score.
-        # Scores come out in log2 units (what exp2 wants) unless a soft-cap needs them in natural ones first.
-        q_gain = q_step * (k_step / 254.0) * (1.0 if USE_SOFTCAP else LOG2E)
+        q_gain = q_step * (k_step / 254.0) * SCORE_UNIT
         q_half = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1)) * q_gain
         qa_hi = qa_hi.to(tl.int8)
         qb_hi = qb_hi.to(tl.int8)
@@ -161,7 +162,7 @@ def _attention_kernel(
             k_even, k_odd = load_halves(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, ASM, K_BITS, HEAD_DIM,
                                         D_PAD, BLOCK_N)
             s = _mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
-            s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * (k_norm * (1.0 if USE_SOFTCAP else LOG2E))[None, :]
+            s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * (k_norm * SCORE_UNIT)[None, :]
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E  # softcap * tanh(s / softcap)
         if DECODE_ONLY:  # the one query is the last token: n < end is the causal mask
