@@ -12,7 +12,9 @@ in exact integer MMAs; values decode to fp16.
 
 One program handles one tile of query tokens of one sequence, all query heads of one KV head
 (so each compressed byte is read once per KV head) and one split of the context. With more
-than one split, each writes its partials to the workspace.
+than one split, each writes its partials to the workspace. Decode over 4-bit keys and values (tq4) has its own
+kernel, _decode_kernel, in which each warp keeps its own softmax: 1.18-1.25x faster than the general kernel's
+decode (benchmarks/results/decode_kernel_session7.log).
 """
 
 from __future__ import annotations
@@ -152,15 +154,16 @@ def _attention_kernel(
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
         if K_BITS == 4:
-            ka, kb = load_int8_quads(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, K_ASM, HEAD_DIM, D_PAD)
+            ka, kb = load_int8_quads(cache_ptr, (page + off * K_CODE_BYTES)[:, None], n_ok[:, None], k_lut_ptr, K_ASM,
+                                     HEAD_DIM, D_PAD)
             ka = tl.trans(ka)
             kb = tl.trans(kb)
             s = _int_mma(qb_hi, kb, _int_mma(qa_hi, ka, tl.zeros((BLOCK_M, BLOCK_N), tl.int32), UPCAST), UPCAST)
             s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
             s = (s.to(tl.float32) * q_gain[:, None] + q_half[:, None]) * k_norm[None, :]
         else:
-            k_even, k_odd = load_halves(cache_ptr, page + off * K_CODE_BYTES, n_ok, k_lut_ptr, ASM, K_BITS, HEAD_DIM,
-                                        D_PAD, BLOCK_N)
+            k_even, k_odd = load_halves(cache_ptr, (page + off * K_CODE_BYTES)[:, None], n_ok[:, None], k_lut_ptr, ASM,
+                                        K_BITS, HEAD_DIM, D_PAD, BLOCK_N)
             s = _mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
             s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * (k_norm * SCORE_UNIT)[None, :]
         if USE_SOFTCAP:
@@ -190,8 +193,8 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p * inv_norm[None, :], axis=1)
-        v_even, v_odd = load_halves(cache_ptr, page + V_CODE_OFF + off * V_CODE_BYTES, n_ok, v_lut_ptr, ASM, V_BITS,
-                                     HEAD_DIM, D_PAD, BLOCK_N)
+        v_even, v_odd = load_halves(cache_ptr, (page + V_CODE_OFF + off * V_CODE_BYTES)[:, None], n_ok[:, None],
+                                     v_lut_ptr, ASM, V_BITS, HEAD_DIM, D_PAD, BLOCK_N)
         pv = p.to(tl.float16)
         acc_even = _mma(pv, v_even, acc_even * alpha[:, None], UPCAST)
         acc_odd = _mma(pv, v_odd, acc_odd * alpha[:, None], UPCAST)
@@ -207,6 +210,142 @@ def _attention_kernel(
     tl.store(ml + NUM_SPLITS, l_i, mask=row_ok)
 
 
+@triton.jit
+def _decode_kernel(
+    q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr, part_acc_ptr, part_ml_ptr,
+    stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, WARP_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_CHUNKS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
+    K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr, K_ASM: tl.constexpr,
+):
+    """Decode (one query token per sequence) over 4-bit keys and values: each warp runs its own online softmax
+    over its own tokens, so the loop has no reduction across warps.
+
+    Tensors carry the warp as their leading axis, which Triton's batched MMA lays out one warp per batch entry.
+    Scores are s = q K^T (query heads as rows, padded to ROWS >= 8), their row reductions stay inside a warp;
+    the values' MMA is transposed, acc^T = V^T p^T, so p^T is the score tile's own registers (no shared memory)
+    and the value codes load straight into the operand's (coordinate, token) order. The value tile decodes in
+    V_CHUNKS pieces of the head dimension: fewer live registers (4 blocks per SM at 128). The warps' partials
+    merge once at the end.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(qsl_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    LOG2E: tl.constexpr = 1.4426950408889634
+    SCORE_UNIT: tl.constexpr = 1.0 if USE_SOFTCAP else LOG2E
+    BLOCK_N: tl.constexpr = WARPS * WARP_N
+    DH: tl.constexpr = D_PAD // 2
+    DC: tl.constexpr = DH // V_CHUNKS  # value code bytes per chunk (2 coordinates each)
+
+    g = tl.arange(0, ROWS)
+    row_ok = g < GROUP
+    head = kv_head * GROUP + g
+    q_row = q_ptr + token * stride_qt + head * stride_qh
+    # Queries as int8 hi + lo / 254 per row, as in _attention_kernel.
+    quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
+    quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
+    qa = tl.load(q_row[:, None] + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
+    qb = tl.load(q_row[:, None] + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
+    q_max = tl.maximum(tl.max(tl.abs(qa), axis=1), tl.max(tl.abs(qb), axis=1))
+    q_step = tl.where(q_max > 0, q_max / 127.0, 1.0)
+    qa = qa / q_step[:, None]
+    qb = qb / q_step[:, None]
+    qa_hi = tl.floor(qa + 0.5)
+    qb_hi = tl.floor(qb + 0.5)
+    qa_lo = tl.floor((qa - qa_hi) * 254.0 + 0.5)
+    qb_lo = tl.floor((qb - qb_hi) * 254.0 + 0.5)
+    q_gain = q_step * (k_step / 254.0) * SCORE_UNIT
+    q_half = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1)) * q_gain
+    qa_hi = tl.broadcast_to(qa_hi.to(tl.int8)[None, :, :], (WARPS, ROWS, DH))
+    qb_hi = tl.broadcast_to(qb_hi.to(tl.int8)[None, :, :], (WARPS, ROWS, DH))
+    qa_lo = tl.broadcast_to(qa_lo.to(tl.int8)[None, :, :], (WARPS, ROWS, DH))
+    qb_lo = tl.broadcast_to(qb_lo.to(tl.int8)[None, :, :], (WARPS, ROWS, DH))
+
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = (tl.maximum(seq_len - sliding_window, 0) // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = kv_lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    m_i = tl.full((WARPS, ROWS), float("-inf"), tl.float32)
+    l_i = tl.zeros((WARPS, ROWS), tl.float32)
+    # acc^T of even / odd coordinates, first and (V_CHUNKS == 2) second half of the head dimension.
+    acc_e0 = tl.zeros((WARPS, DC, ROWS), tl.float32)
+    acc_o0 = tl.zeros((WARPS, DC, ROWS), tl.float32)
+    acc_e1 = tl.zeros((WARPS, DC, ROWS), tl.float32)
+    acc_o1 = tl.zeros((WARPS, DC, ROWS), tl.float32)
+    slot = tl.arange(0, WARPS)[:, None] * WARP_N + tl.arange(0, WARP_N)[None, :]  # (warp, token) -> tile offset
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + slot
+        n_ok = n < end  # the one query is the last token: this is the causal mask too
+        if USE_WINDOW:
+            n_ok &= n >= seq_len - sliding_window
+        phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        page = phys * stride_cblock + kv_head * stride_chead
+        off = n % BLOCK_SIZE
+        k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
+                         other=0.0)
+        ka, kb = load_int8_quads(cache_ptr, (page + off * K_CODE_BYTES)[:, None, :], n_ok[:, None, :], k_lut_ptr,
+                                 K_ASM, HEAD_DIM, D_PAD, AXIS=1)
+        s = _int_mma(qb_hi, kb, _int_mma(qa_hi, ka, tl.zeros((WARPS, ROWS, WARP_N), tl.int32), UPCAST), UPCAST)
+        s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
+        s = (s.to(tl.float32) * q_gain[None, :, None] + q_half[None, :, None]) * k_norm[:, None, :]
+        if USE_SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E
+        # Value norms in the exponent, as in _attention_kernel.
+        v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
+                         other=1.0)
+        v_norm = tl.maximum(v_norm, 8.673617379884035e-19)  # 2^-60
+        if UPCAST:
+            log_norm = tl.log2(v_norm)
+            inv_norm = 1.0 / v_norm
+        else:
+            log_norm, inv_norm = tl.inline_asm_elementwise("lg2.approx.f32 $0, $2; rcp.approx.f32 $1, $2;", "=r,=r,r",
+                                                           [v_norm], dtype=(tl.float32, tl.float32), is_pure=True,
+                                                           pack=1)
+        s = tl.where(n_ok[:, None, :], s + log_norm[:, None, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=2))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)[:, None, :]
+        p = tl.exp2(s - m_safe[:, :, None])
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(p * inv_norm[:, None, :], axis=2)
+        pt = tl.trans(p.to(tl.float16), (0, 2, 1))
+        v_rec = (page + V_CODE_OFF + off * V_CODE_BYTES)[:, None, :]
+        v_even, v_odd = load_halves(cache_ptr, v_rec, n_ok[:, None, :], v_lut_ptr, ASM, 4, HEAD_DIM, 2 * DC, WARP_N,
+                                    AXIS=1)
+        acc_e0 = _mma(v_even, pt, acc_e0 * alpha, UPCAST)
+        acc_o0 = _mma(v_odd, pt, acc_o0 * alpha, UPCAST)
+        if V_CHUNKS == 2:
+            v_even, v_odd = load_halves(cache_ptr, v_rec + DC, n_ok[:, None, :], v_lut_ptr, ASM, 4, HEAD_DIM - 2 * DC,
+                                        2 * DC, WARP_N, AXIS=1)
+            acc_e1 = _mma(v_even, pt, acc_e1 * alpha, UPCAST)
+            acc_o1 = _mma(v_odd, pt, acc_o1 * alpha, UPCAST)
+        m_i = m_new
+
+    # The warps' partials, merged: the one exchange across warps.
+    m = tl.max(m_i, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_i - m_safe[None, :])
+    out_rows = token * NUM_Q_HEADS + head
+    even = 2 * tl.arange(0, DC)
+    part = part_acc_ptr + (out_rows[None, :] * NUM_SPLITS + split) * HEAD_DIM + even[:, None]
+    ok = (even[:, None] < HEAD_DIM) & row_ok[None, :]
+    tl.store(part, tl.sum(acc_e0 * w[:, None, :], axis=0), mask=ok)
+    tl.store(part + 1, tl.sum(acc_o0 * w[:, None, :], axis=0), mask=ok)
+    if V_CHUNKS == 2:
+        ok = (even[:, None] + 2 * DC < HEAD_DIM) & row_ok[None, :]
+        tl.store(part + 2 * DC, tl.sum(acc_e1 * w[:, None, :], axis=0), mask=ok)
+        tl.store(part + 2 * DC + 1, tl.sum(acc_o1 * w[:, None, :], axis=0), mask=ok)
+    ml = part_ml_ptr + out_rows * (2 * NUM_SPLITS) + split
+    tl.store(ml, m, mask=row_ok)
+    tl.store(ml + NUM_SPLITS, tl.sum(l_i * w, axis=0), mask=row_ok)
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
     """Splits so that sequences x KV heads x splits fill the SMs; depends on batch shape only (graph-safe)."""
     programs = max(1, num_seqs * num_kv_heads)
@@ -214,8 +353,9 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_
 
 
 def decode_max_registers(layout: CacheLayout) -> int:
-    """tq4 decode at head_dim <= 128: 128 registers (4 blocks per SM instead of 2) are 1.10-1.13x faster
-    although a few values spill (benchmarks/results/decode_kernel_registers.log); elsewhere the cap loses."""
+    """tq4 decode at head_dim <= 128: 128 registers (4 blocks per SM instead of 3) are 1.04x faster with
+    _decode_kernel at head_dim 128, neutral at 64, and 2.6x slower at 256 (decode_kernel_session7.log); the general
+    kernel's other presets lose with it (decode_kernel_registers.log)."""
     tq4 = layout.preset.k_bits == 4 and layout.preset.v_bits == 4
     return 128 if tq4 and layout.head_dim <= 128 else 0
 
@@ -290,6 +430,22 @@ def paged_attention(
     # MMA operands are fp16 whatever the model dtype (3 more mantissa bits than bf16, same speed), but for
     # 4-bit keys: int8 keys and int8 hi / lo parts of the queries (exact products, see the kernel).
     q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
+    if decode_only and layout.preset.k_bits == 4 and layout.preset.v_bits == 4:
+        _decode_kernel[(num_seqs, layout.num_kv_heads, num_splits)](
+            q_rot, kv_cache, block_table, query_start_loc, seq_lens, c.key_int8, c.value_values[torch.float16],
+            part_acc, part_ml,
+            q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+            sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
+            NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(8, g_pad), WARPS=num_warps,
+            WARP_N=block_n // num_warps, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
+            V_CHUNKS=2 if head_dim > 64 else 1, BLOCK_SIZE=layout.block_size,
+            K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
+            K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
+            USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
+            ASM="" if INTERPRETED else c.nibble_asm, K_ASM="" if INTERPRETED else c.key_int8_asm,
+            num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
+        )
+        return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout)
     grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
     _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
         q_rot, kv_cache, block_table, query_start_loc, seq_lens,

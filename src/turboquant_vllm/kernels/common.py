@@ -106,65 +106,67 @@ def nibble_int8_asm(table: list[int]) -> str:
 
 @triton.jit
 def load_int8_quads(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    D_PAD: tl.constexpr):
+                    D_PAD: tl.constexpr, AXIS: tl.constexpr = -1):
     """4-bit codes of records at rec_base as int8 t standing for (t + 1/2) * the codebook's int8_step:
-    (coordinates 8i + 0..3, coordinates 8i + 4..7) for i < D_PAD / 8, each (BLOCK_N, D_PAD / 2)."""
+    (coordinates 8i + 0..3, coordinates 8i + 4..7) for i < D_PAD / 8, each (..., D_PAD / 2) for rec_base and
+    valid of shape (..., 1)."""
     DH: tl.constexpr = D_PAD // 2
     j = tl.arange(0, DH)
+    if AXIS == 1:
+        j = j[:, None]
     if ASM != "":
-        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=valid[:, None] & (j[None, :] < HEAD_DIM // 2),
-                         other=0)
+        packed = tl.load(cache_ptr + rec_base + j, mask=valid & (j < HEAD_DIM // 2), other=0)
         a, b = tl.inline_asm_elementwise(ASM, "=r,=r,r", [packed], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
         return a, b
     byte = 4 * (j // 4) + (j % 4) // 2  # byte of coordinate 8 (j // 4) + j % 4, nibble j % 2
-    ok = valid[:, None] & (byte[None, :] < HEAD_DIM // 2)
-    a = tl.load(cache_ptr + rec_base[:, None] + byte[None, :], mask=ok, other=0).to(tl.int32)
-    b = tl.load(cache_ptr + rec_base[:, None] + 2 + byte[None, :], mask=ok, other=0).to(tl.int32)
-    shift = 4 * (j % 2)[None, :]
+    ok = valid & (byte < HEAD_DIM // 2)
+    a = tl.load(cache_ptr + rec_base + byte, mask=ok, other=0).to(tl.int32)
+    b = tl.load(cache_ptr + rec_base + 2 + byte, mask=ok, other=0).to(tl.int32)
+    shift = 4 * (j % 2)
     return tl.load(lut_ptr + ((a >> shift) & 15)), tl.load(lut_ptr + ((b >> shift) & 15))
 
 
 @triton.jit
 def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
-                 BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Values of BLOCK_N records at rec_base, as (even coordinates, odd coordinates), fp16 (BLOCK_N, D_PAD/2)."""
+                 BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 AXIS: tl.constexpr = -1):
+    """Values of the records at rec_base as (even coordinates, odd coordinates), fp16 (..., D_PAD/2) for rec_base
+    and valid of shape (..., 1); 4 and 5 bits take any rank, the other widths (BLOCK_N, 1) (their planes reshape)."""
     DH: tl.constexpr = D_PAD // 2
+    # One if / elif chain, no early return: Triton compiles the code after a return in a constexpr branch too.
     if BITS == 4:  # byte j holds coordinates 2j (low nibble) and 2j+1 (high nibble)
         j = tl.arange(0, DH)
-        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=valid[:, None] & (j[None, :] < HEAD_DIM // 2),
-                         other=0)
+        if AXIS == 1:
+            j = j[:, None]
+        packed = tl.load(cache_ptr + rec_base + j, mask=valid & (j < HEAD_DIM // 2), other=0)
         if ASM != "":
             even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
                                                   is_pure=True, pack=4)
         else:
             even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
             odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
-        return even, odd
-    if BITS == 3:  # two planes: the low 2 bits, then the sign bit (see core.packing)
-        LOW: tl.constexpr = BITS - 1
-        jl = tl.arange(0, D_PAD * LOW // 8)
-        lo = tl.load(cache_ptr + rec_base[:, None] + jl[None, :],
-                     mask=valid[:, None] & (jl[None, :] < HEAD_DIM * LOW // 8), other=0)
-        jh = tl.arange(0, D_PAD // 8)
-        hi = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM * LOW // 8 + jh[None, :],
-                     mask=valid[:, None] & (jh[None, :] < HEAD_DIM // 8), other=0)
-        code = (plane_bytes_to_codes(lo, BLOCK_N, D_PAD * LOW // 8, LOW)
-                | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << LOW))
     elif BITS == 5:  # the low 4 bits as 4-bit codes (byte j: coordinates 2j, 2j+1), then the sign plane
         j = tl.arange(0, DH)
-        ok = valid[:, None] & (j[None, :] < HEAD_DIM // 2)
-        low = tl.load(cache_ptr + rec_base[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
+        ok = valid & (j < HEAD_DIM // 2)
+        low = tl.load(cache_ptr + rec_base + j, mask=ok, other=0).to(tl.int32)
         # The sign byte of coordinates 2j, 2j+1 is read once per pair (L1 hits): no reshape of code planes.
-        sign = tl.load(cache_ptr + rec_base[:, None] + HEAD_DIM // 2 + j[None, :] // 4, mask=ok, other=0).to(tl.int32)
-        sign = sign >> (2 * (j[None, :] % 4))
+        sign = tl.load(cache_ptr + rec_base + HEAD_DIM // 2 + j // 4, mask=ok, other=0).to(tl.int32)
+        sign = sign >> (2 * (j % 4))
         even = tl.load(lut_ptr + ((low & 15) | ((sign & 1) << 4)))
         odd = tl.load(lut_ptr + ((low >> 4) | ((sign & 2) << 3)))
+    elif BITS == 3:  # two planes: the low 2 bits, then the sign bit (see core.packing)
+        LOW: tl.constexpr = BITS - 1
+        jl = tl.arange(0, D_PAD * LOW // 8)
+        lo = tl.load(cache_ptr + rec_base + jl, mask=valid & (jl < HEAD_DIM * LOW // 8), other=0)
+        jh = tl.arange(0, D_PAD // 8)
+        hi = tl.load(cache_ptr + rec_base + HEAD_DIM * LOW // 8 + jh, mask=valid & (jh < HEAD_DIM // 8), other=0)
+        code = (plane_bytes_to_codes(lo, BLOCK_N, D_PAD * LOW // 8, LOW)
+                | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << LOW))
+        even, odd = tl.split(tl.reshape(tl.load(lut_ptr + code), (BLOCK_N, DH, 2)))
     else:
         j = tl.arange(0, D_PAD * BITS // 8)
-        packed = tl.load(cache_ptr + rec_base[:, None] + j[None, :],
-                         mask=valid[:, None] & (j[None, :] < HEAD_DIM * BITS // 8), other=0)
+        packed = tl.load(cache_ptr + rec_base + j, mask=valid & (j < HEAD_DIM * BITS // 8), other=0)
         code = plane_bytes_to_codes(packed, BLOCK_N, D_PAD * BITS // 8, BITS)
-    if BITS != 5:
         even, odd = tl.split(tl.reshape(tl.load(lut_ptr + code), (BLOCK_N, DH, 2)))
     return even, odd
 

@@ -24,8 +24,8 @@ from .store import check_cache
 def _expand(cache_ptr, page, off, n_ok, lut_ptr, out_ptr, row, head, stride_ot, stride_oh, ASM: tl.constexpr,
             BITS: tl.constexpr, CODE_OFF: tl.constexpr, CODE_BYTES: tl.constexpr, NORM_OFF: tl.constexpr,
             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
-    even_vals, odd_vals = load_halves(cache_ptr, page + CODE_OFF + off * CODE_BYTES, n_ok, lut_ptr, ASM, BITS,
-                                      HEAD_DIM, D_PAD, BLOCK_N)
+    even_vals, odd_vals = load_halves(cache_ptr, (page + CODE_OFF + off * CODE_BYTES)[:, None], n_ok[:, None], lut_ptr,
+                                      ASM, BITS, HEAD_DIM, D_PAD, BLOCK_N)
     norm = tl.load((cache_ptr + page + NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
     even = 2 * tl.arange(0, D_PAD // 2)
     dst = out_ptr + row[:, None] * stride_ot + head * stride_oh + even[None, :]
