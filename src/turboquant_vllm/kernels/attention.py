@@ -51,6 +51,41 @@ def _int_mma(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, out_dtype=tl.int32)
 
 
+@triton.jit
+def _int8_query(qa, qb, k_step, SCORE_UNIT: tl.constexpr):
+    """Rows of query quads (fp32, (rows, D/2) each) as q = q_step * (hi + lo / 254), hi and lo int8 in [-127, 127]
+    (~15 bits), so q.k is two exact int8 MMAs over one decoded key tile. Scores accumulate 254 hi + lo as int32;
+    q_gain turns them into SCORE_UNIT units. A key code t stands for (t + 1/2) * k_step: the halves add q_half."""
+    q_max = tl.maximum(tl.max(tl.abs(qa), axis=1), tl.max(tl.abs(qb), axis=1))
+    q_step = tl.where(q_max > 0, q_max / 127.0, 1.0)
+    qa = qa / q_step[:, None]
+    qb = qb / q_step[:, None]
+    qa_hi = tl.floor(qa + 0.5)
+    qb_hi = tl.floor(qb + 0.5)
+    qa_lo = tl.floor((qa - qa_hi) * 254.0 + 0.5)
+    qb_lo = tl.floor((qb - qb_hi) * 254.0 + 0.5)
+    q_gain = q_step * (k_step / 254.0) * SCORE_UNIT
+    q_half = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1)) * q_gain
+    return qa_hi.to(tl.int8), qb_hi.to(tl.int8), qa_lo.to(tl.int8), qb_lo.to(tl.int8), q_gain, q_half
+
+
+@triton.jit
+def _value_norm_terms(v_norm, UPCAST: tl.constexpr):
+    """log2 ||v|| and 1 / ||v||, the norm floored at 2^-60.
+
+    Value norms join the exponent: p_j ||v_j|| = exp2(s_j + log2 ||v_j|| - m) <= 1 fits the fp16 operand with
+    no reduction over the tile's norms (each one costs the block a barrier); l divides the norms out again.
+    The floor keeps a zero norm's weight in l: fp32 holds p down to 2^-126, so norms up to ~2^50 are safe."""
+    v_norm = tl.maximum(v_norm, 8.673617379884035e-19)  # 2^-60
+    if UPCAST:
+        log_norm = tl.log2(v_norm)
+        inv_norm = 1.0 / v_norm
+    else:  # the hardware's approximations (~2^-22 relative): the libdevice log2 is a branchy routine
+        log_norm, inv_norm = tl.inline_asm_elementwise("lg2.approx.f32 $0, $2; rcp.approx.f32 $1, $2;", "=r,=r,r",
+                                                       [v_norm], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    return log_norm, inv_norm
+
+
 @triton.jit(do_not_specialize=["num_seqs"])  # changes with every batch: no recompiles mid-serving
 def _attention_kernel(
     q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
@@ -103,28 +138,12 @@ def _attention_kernel(
     d_ok = row_ok[:, None] & (even[None, :] < HEAD_DIM)
     q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
     if K_BITS == 4:
-        # 4-bit keys are int8 (kernels.common.load_int8_quads), so are the queries: q = q_step * (hi + lo / 254)
-        # per row, hi and lo in [-127, 127], ~15 bits; q.k is two exact int8 MMAs over one decoded key tile.
+        # 4-bit keys are int8 (kernels.common.load_int8_quads), so are the queries (_int8_query).
         quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
         quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
         qa = tl.load(q_row + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
         qb = tl.load(q_row + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
-        q_max = tl.maximum(tl.max(tl.abs(qa), axis=1), tl.max(tl.abs(qb), axis=1))
-        q_step = tl.where(q_max > 0, q_max / 127.0, 1.0)
-        qa = qa / q_step[:, None]
-        qb = qb / q_step[:, None]
-        qa_hi = tl.floor(qa + 0.5)
-        qb_hi = tl.floor(qb + 0.5)
-        qa_lo = tl.floor((qa - qa_hi) * 254.0 + 0.5)
-        qb_lo = tl.floor((qb - qb_hi) * 254.0 + 0.5)
-        # Scores accumulate 254 hi + lo as int32. A key code t stands for (t + 1/2) * k_step: the halves
-        # add sum(q) / 2 to every score.
-        q_gain = q_step * (k_step / 254.0) * SCORE_UNIT
-        q_half = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1)) * q_gain
-        qa_hi = qa_hi.to(tl.int8)
-        qb_hi = qb_hi.to(tl.int8)
-        qa_lo = qa_lo.to(tl.int8)
-        qb_lo = qb_lo.to(tl.int8)
+        qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(qa, qb, k_step, SCORE_UNIT)
     else:
         q_even = tl.load(q_row + even[None, :], mask=d_ok, other=0.0)
         q_odd = tl.load(q_row + even[None, :] + 1, mask=d_ok, other=0.0)
@@ -174,19 +193,9 @@ def _attention_kernel(
             allowed = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed &= n[None, :] > q_pos[:, None] - sliding_window
-        # Value norms join the exponent: p_j ||v_j|| = exp2(s_j + log2 ||v_j|| - m) <= 1 fits the fp16 operand with
-        # no reduction over the tile's norms (each one costs the block a barrier); l divides the norms out again.
-        # The 2^-60 floor keeps a zero norm's weight in l: fp32 holds p down to 2^-126, so norms up to ~2^50 are safe.
         v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=1.0)
-        v_norm = tl.maximum(v_norm, 8.673617379884035e-19)  # 2^-60
-        if UPCAST:
-            log_norm = tl.log2(v_norm)
-            inv_norm = 1.0 / v_norm
-        else:  # the hardware's approximations (~2^-22 relative): the libdevice log2 is a branchy routine
-            log_norm, inv_norm = tl.inline_asm_elementwise("lg2.approx.f32 $0, $2; rcp.approx.f32 $1, $2;", "=r,=r,r",
-                                                           [v_norm], dtype=(tl.float32, tl.float32), is_pure=True,
-                                                           pack=1)
+        log_norm, inv_norm = _value_norm_terms(v_norm, UPCAST)
         s = tl.where(allowed, s + log_norm[None, :], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
@@ -245,25 +254,15 @@ def _decode_kernel(
     row_ok = g < GROUP
     head = kv_head * GROUP + g
     q_row = q_ptr + token * stride_qt + head * stride_qh
-    # Queries as int8 hi + lo / 254 per row, as in _attention_kernel.
     quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
     quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
     qa = tl.load(q_row[:, None] + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
     qb = tl.load(q_row[:, None] + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
-    q_max = tl.maximum(tl.max(tl.abs(qa), axis=1), tl.max(tl.abs(qb), axis=1))
-    q_step = tl.where(q_max > 0, q_max / 127.0, 1.0)
-    qa = qa / q_step[:, None]
-    qb = qb / q_step[:, None]
-    qa_hi = tl.floor(qa + 0.5)
-    qb_hi = tl.floor(qb + 0.5)
-    qa_lo = tl.floor((qa - qa_hi) * 254.0 + 0.5)
-    qb_lo = tl.floor((qb - qb_hi) * 254.0 + 0.5)
-    q_gain = q_step * (k_step / 254.0) * SCORE_UNIT
-    q_half = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1)) * q_gain
-    qa_hi = tl.broadcast_to(qa_hi.to(tl.int8)[None, :, :], (WARPS, ROWS, DH))
-    qb_hi = tl.broadcast_to(qb_hi.to(tl.int8)[None, :, :], (WARPS, ROWS, DH))
-    qa_lo = tl.broadcast_to(qa_lo.to(tl.int8)[None, :, :], (WARPS, ROWS, DH))
-    qb_lo = tl.broadcast_to(qb_lo.to(tl.int8)[None, :, :], (WARPS, ROWS, DH))
+    qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(qa, qb, k_step, SCORE_UNIT)
+    qa_hi = tl.broadcast_to(qa_hi[None, :, :], (WARPS, ROWS, DH))  # every warp its own copy: batched MMA operands
+    qb_hi = tl.broadcast_to(qb_hi[None, :, :], (WARPS, ROWS, DH))
+    qa_lo = tl.broadcast_to(qa_lo[None, :, :], (WARPS, ROWS, DH))
+    qb_lo = tl.broadcast_to(qb_lo[None, :, :], (WARPS, ROWS, DH))
 
     kv_lo = 0
     if USE_WINDOW:
@@ -297,17 +296,9 @@ def _decode_kernel(
         s = (s.to(tl.float32) * q_gain[None, :, None] + q_half[None, :, None]) * k_norm[:, None, :]
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E
-        # Value norms in the exponent, as in _attention_kernel.
         v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=1.0)
-        v_norm = tl.maximum(v_norm, 8.673617379884035e-19)  # 2^-60
-        if UPCAST:
-            log_norm = tl.log2(v_norm)
-            inv_norm = 1.0 / v_norm
-        else:
-            log_norm, inv_norm = tl.inline_asm_elementwise("lg2.approx.f32 $0, $2; rcp.approx.f32 $1, $2;", "=r,=r,r",
-                                                           [v_norm], dtype=(tl.float32, tl.float32), is_pure=True,
-                                                           pack=1)
+        log_norm, inv_norm = _value_norm_terms(v_norm, UPCAST)
         s = tl.where(n_ok[:, None, :], s + log_norm[:, None, :], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=2))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
