@@ -302,9 +302,10 @@ def _decode_kernel(
         s = tl.where(n_ok[:, None, :], s + log_norm[:, None, :], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=2))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)[:, None, :]
+        alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, :, None])
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(p * inv_norm[:, None, :], axis=2)
+        l_i = l_i * alpha + tl.sum(p * inv_norm[:, None, :], axis=2)
+        alpha = alpha[:, None, :]  # per acc^T column
         pt = tl.trans(p.to(tl.float16), (0, 2, 1))
         v_rec = (page + V_CODE_OFF + off * V_CODE_BYTES)[:, None, :]
         v_even, v_odd = load_halves(cache_ptr, v_rec, n_ok[:, None, :], v_lut_ptr, ASM, 4, HEAD_DIM, 2 * DC, WARP_N,
