@@ -422,37 +422,29 @@ def paged_attention(
     # MMA operands are fp16 whatever the model dtype (3 more mantissa bits than bf16, same speed), but for
     # 4-bit keys: int8 keys and int8 hi / lo parts of the queries (exact products, see the kernel).
     q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
-    if decode_only and layout.preset.k_bits == 4 and layout.preset.v_bits == 4:
-        _decode_kernel[(num_seqs, layout.num_kv_heads, num_splits)](
-            q_rot, kv_cache, block_table, query_start_loc, seq_lens, c.key_int8, c.value_values[torch.float16],
-            part_acc, part_ml,
-            q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-            sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
-            NUM_Q_HEADS=num_q_heads, GROUP=group, ROWS=max(8, g_pad), WARPS=num_warps,
-            WARP_N=block_n // num_warps, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
-            V_CHUNKS=2 if head_dim > 64 else 1, BLOCK_SIZE=layout.block_size,
-            K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
-            K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
-            USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
-            ASM="" if INTERPRETED else c.nibble_asm, K_ASM="" if INTERPRETED else c.key_int8_asm,
-            num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
-        )
-        return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout)
-    grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
-    _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
-        q_rot, kv_cache, block_table, query_start_loc, seq_lens,
-        c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16], c.value_values[torch.float16],
-        part_acc, part_ml,
-        num_seqs, q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
-        NUM_Q_HEADS=num_q_heads, GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
-        HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_SIZE=layout.block_size,
-        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
+    common = dict(
+        NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
+        BLOCK_SIZE=layout.block_size, K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
         ASM="" if INTERPRETED else c.nibble_asm, K_ASM="" if INTERPRETED else c.key_int8_asm,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )
+    k_table = c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16]
+    strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
+    if decode_only and layout.preset.k_bits == 4 and layout.preset.v_bits == 4:
+        _decode_kernel[(num_seqs, layout.num_kv_heads, num_splits)](
+            q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
+            part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
+            ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, V_CHUNKS=2 if head_dim > 64 else 1,
+            **common,
+        )
+    else:
+        grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
+        _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
+            q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
+            part_acc, part_ml, num_seqs, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
+            G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DECODE_ONLY=decode_only,
+            K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits, **common,
+        )
     return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout)
