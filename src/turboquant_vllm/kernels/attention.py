@@ -295,7 +295,7 @@ def _decode_kernel(
         s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
         s = (s.to(tl.float32) * q_gain[None, :, None] + q_half[None, :, None]) * k_norm[:, None, :]
         if USE_SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E  # softcap * tanh(s / softcap)
         v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=1.0)
         log_norm, inv_norm = _value_norm_terms(v_norm, UPCAST)
@@ -312,7 +312,7 @@ def _decode_kernel(
                                     AXIS=1)
         acc_e0 = _mma(v_even, pt, acc_e0 * alpha, UPCAST)
         acc_o0 = _mma(v_odd, pt, acc_o0 * alpha, UPCAST)
-        if V_CHUNKS == 2:
+        if V_CHUNKS == 2:  # coordinates 2 DC.. read as records of HEAD_DIM - 2 DC coordinates starting DC bytes in
             v_even, v_odd = load_halves(cache_ptr, v_rec + DC, n_ok[:, None, :], v_lut_ptr, ASM, 4, HEAD_DIM - 2 * DC,
                                         2 * DC, WARP_N, AXIS=1)
             acc_e1 = _mma(v_even, pt, acc_e1 * alpha, UPCAST)

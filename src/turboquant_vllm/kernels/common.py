@@ -109,7 +109,8 @@ def load_int8_quads(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr, HEAD
                     D_PAD: tl.constexpr, AXIS: tl.constexpr = -1):
     """4-bit codes of records at rec_base as int8 t standing for (t + 1/2) * the codebook's int8_step:
     (coordinates 8i + 0..3, coordinates 8i + 4..7) for i < D_PAD / 8, each (..., D_PAD / 2) for rec_base and
-    valid of shape (..., 1)."""
+    valid of shape (..., 1); AXIS=1: the coordinates run along axis 1 of a 3-D result instead (rec_base and valid
+    (W, 1, N), result (W, D_PAD / 2, N)), the order an MMA operand with the codes on its K side wants."""
     DH: tl.constexpr = D_PAD // 2
     j = tl.arange(0, DH)
     if AXIS == 1:
@@ -131,13 +132,14 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
                  BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  AXIS: tl.constexpr = -1):
     """Values of the records at rec_base as (even coordinates, odd coordinates), fp16 (..., D_PAD/2) for rec_base
-    and valid of shape (..., 1); 4 and 5 bits take any rank, the other widths (BLOCK_N, 1) (their planes reshape)."""
+    and valid of shape (..., 1); AXIS=1 as in load_int8_quads. 4 and 5 bits take any rank and AXIS, the other widths
+    (BLOCK_N, 1) only (their planes reshape)."""
     DH: tl.constexpr = D_PAD // 2
+    j = tl.arange(0, DH)  # byte j of the 4-bit codes (or of the 5-bit codes' low plane): coordinates 2j, 2j + 1
+    if AXIS == 1:
+        j = j[:, None]
     # One if / elif chain, no early return: Triton compiles the code after a return in a constexpr branch too.
     if BITS == 4:  # byte j holds coordinates 2j (low nibble) and 2j+1 (high nibble)
-        j = tl.arange(0, DH)
-        if AXIS == 1:
-            j = j[:, None]
         packed = tl.load(cache_ptr + rec_base + j, mask=valid & (j < HEAD_DIM // 2), other=0)
         if ASM != "":
             even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
@@ -146,7 +148,6 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
             even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
             odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
     elif BITS == 5:  # the low 4 bits as 4-bit codes (byte j: coordinates 2j, 2j+1), then the sign plane
-        j = tl.arange(0, DH)
         ok = valid & (j < HEAD_DIM // 2)
         low = tl.load(cache_ptr + rec_base + j, mask=ok, other=0).to(tl.int32)
         # The sign byte of coordinates 2j, 2j+1 is read once per pair (L1 hits): no reshape of code planes.
@@ -155,6 +156,7 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
         even = tl.load(lut_ptr + ((low & 15) | ((sign & 1) << 4)))
         odd = tl.load(lut_ptr + ((low >> 4) | ((sign & 2) << 3)))
     elif BITS == 3:  # two planes: the low 2 bits, then the sign bit (see core.packing)
+        tl.static_assert(AXIS == -1, "3-bit planes load as (BLOCK_N, bytes) only")
         LOW: tl.constexpr = BITS - 1
         jl = tl.arange(0, D_PAD * LOW // 8)
         lo = tl.load(cache_ptr + rec_base + jl, mask=valid & (jl < HEAD_DIM * LOW // 8), other=0)
@@ -164,8 +166,9 @@ def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
                 | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << LOW))
         even, odd = tl.split(tl.reshape(tl.load(lut_ptr + code), (BLOCK_N, DH, 2)))
     else:
-        j = tl.arange(0, D_PAD * BITS // 8)
-        packed = tl.load(cache_ptr + rec_base + j, mask=valid & (j < HEAD_DIM * BITS // 8), other=0)
+        tl.static_assert(AXIS == -1, "bit planes load as (BLOCK_N, bytes) only")
+        jb = tl.arange(0, D_PAD * BITS // 8)
+        packed = tl.load(cache_ptr + rec_base + jb, mask=valid & (jb < HEAD_DIM * BITS // 8), other=0)
         code = plane_bytes_to_codes(packed, BLOCK_N, D_PAD * BITS // 8, BITS)
         even, odd = tl.split(tl.reshape(tl.load(lut_ptr + code), (BLOCK_N, DH, 2)))
     return even, odd
