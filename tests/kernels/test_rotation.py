@@ -6,7 +6,7 @@ from tests.kernels.cases import random_calibration
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.core.reference import merge_and_unrotate_reference, rotate_queries_reference
-from turboquant_vllm.kernels import merge_and_unrotate, rotate_queries, unrotate_outputs
+from turboquant_vllm.kernels import merge_and_unrotate, rotate_queries
 from turboquant_vllm.kernels.constants import kernel_constants
 
 HEAD_DIMS = [64, 96, 128, 256]
@@ -61,8 +61,15 @@ def test_merge_and_unrotate_matches_reference(head_dim, splits, dtype):
     torch.testing.assert_close(out.float().cpu().view(rows, head_dim), ref, rtol=1e-2, atol=1e-2)
 
 
+def unrotate(rotated: torch.Tensor, out: torch.Tensor, layout: CacheLayout) -> None:
+    """out = rotated @ R through the merge with one split (row maximum 0, sum 1)."""
+    rows = rotated.shape[0] * rotated.shape[1]
+    ml = torch.stack((torch.zeros(rows, 1), torch.ones(rows, 1)), dim=1).to(rotated.device)
+    merge_and_unrotate(rotated.float().reshape(rows, 1, -1).contiguous(), ml, 1, out, layout)
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_unrotate_outputs_inverts_rotation(head_dim):
+def test_unrotate_inverts_rotation(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     layout = layout_for(head_dim, 1)
     x = torch.randn(7, 5, head_dim, generator=gen).to(DEVICE)
@@ -70,8 +77,8 @@ def test_unrotate_outputs_inverts_rotation(head_dim):
     out = torch.full((7, 5, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     # A strided out, as vLLM's output rows can be a slice.
     wide = torch.full((7, 6, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    unrotate_outputs(rotated, out, layout)
-    unrotate_outputs(rotated, wide[:, 1:], layout)
+    unrotate(rotated, out, layout)
+    unrotate(rotated, wide[:, 1:], layout)
     torch.testing.assert_close(out.float(), x, rtol=1e-2, atol=1e-2)
     assert torch.equal(wide[:, 1:], out) and wide[:, 0].isnan().all()
 
@@ -79,8 +86,8 @@ def test_unrotate_outputs_inverts_rotation(head_dim):
 def test_rejects_bad_input():
     layout = layout_for(64, 1)
     src = torch.randn(4, 2, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="contiguous"):
-        unrotate_outputs(src.transpose(0, 1), torch.empty(2, 4, 64, device=DEVICE), layout)
+    with pytest.raises(ValueError, match="contiguous in head_dim"):
+        merge_and_unrotate(src, src, 1, torch.empty(2, 64, 4, device=DEVICE).transpose(1, 2), layout)
     with pytest.raises(ValueError, match="contiguous in head_dim"):
         rotate_queries(src.transpose(1, 2), layout, 1.0)
 
@@ -97,6 +104,6 @@ def test_prefill_sized_inputs_match_reference(calibrated):
     ref = rotate_queries_reference(query, rotation, 0.5, cal)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    unrotate_outputs(ours, out, layout)
+    unrotate(ours, out, layout)
     expected = (ref @ rotation).to(torch.bfloat16)
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())

@@ -2,10 +2,10 @@
 
 from .attention import attention_workspace_shape, default_num_splits, paged_attention
 from .dequant import dequantize_pages
-from .rotation import merge_and_unrotate, rotate_queries, unrotate_outputs
+from .rotation import merge_and_unrotate, rotate_queries
 from .store import store_kv
 
 __all__ = [
     "attention_workspace_shape", "default_num_splits", "dequantize_pages", "merge_and_unrotate", "paged_attention",
-    "rotate_queries", "store_kv", "unrotate_outputs",
+    "rotate_queries", "store_kv",
 ]

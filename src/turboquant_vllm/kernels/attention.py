@@ -27,20 +27,12 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, next_pow2
+from .common import INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, mma, next_pow2
 from .constants import kernel_constants
 from .rotation import merge_and_unrotate, rotate_queries
 from .store import check_cache, check_calibration
 
 NUM_SMS_DEFAULT = 132
-
-
-@triton.jit
-def _mma(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a @ b; UPCAST runs it in fp32 (Triton's CPU interpreter mis-multiplies half-precision operands)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -183,8 +175,8 @@ def _attention_kernel(
         else:
             k_even, k_odd = load_halves(cache_ptr, (page + off * K_CODE_BYTES)[:, None], n_ok[:, None], k_lut_ptr, ASM,
                                         K_BITS, HEAD_DIM, D_PAD, BLOCK_N)
-            s = _mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
-            s = _mma(q_odd, tl.trans(k_odd), s, UPCAST) * (k_norm * SCORE_UNIT)[None, :]
+            s = mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
+            s = mma(q_odd, tl.trans(k_odd), s, UPCAST) * (k_norm * SCORE_UNIT)[None, :]
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E  # softcap * tanh(s / softcap)
         if DECODE_ONLY:  # the one query is the last token: n < end is the causal mask
@@ -205,8 +197,8 @@ def _attention_kernel(
         v_even, v_odd = load_halves(cache_ptr, (page + V_CODE_OFF + off * V_CODE_BYTES)[:, None], n_ok[:, None],
                                      v_lut_ptr, ASM, V_BITS, HEAD_DIM, D_PAD, BLOCK_N)
         pv = p.to(tl.float16)
-        acc_even = _mma(pv, v_even, acc_even * alpha[:, None], UPCAST)
-        acc_odd = _mma(pv, v_odd, acc_odd * alpha[:, None], UPCAST)
+        acc_even = mma(pv, v_even, acc_even * alpha[:, None], UPCAST)
+        acc_odd = mma(pv, v_odd, acc_odd * alpha[:, None], UPCAST)
         m_i = m_new
 
     # Partials of this split; kernels.rotation merges the splits and leaves the rotated basis.
@@ -310,13 +302,13 @@ def _decode_kernel(
         v_rec = (page + V_CODE_OFF + off * V_CODE_BYTES)[:, None, :]
         v_even, v_odd = load_halves(cache_ptr, v_rec, n_ok[:, None, :], v_lut_ptr, ASM, 4, HEAD_DIM, 2 * DC, WARP_N,
                                     AXIS=1)
-        acc_e0 = _mma(v_even, pt, acc_e0 * alpha, UPCAST)
-        acc_o0 = _mma(v_odd, pt, acc_o0 * alpha, UPCAST)
+        acc_e0 = mma(v_even, pt, acc_e0 * alpha, UPCAST)
+        acc_o0 = mma(v_odd, pt, acc_o0 * alpha, UPCAST)
         if V_CHUNKS == 2:  # coordinates 2 DC.. read as records of HEAD_DIM - 2 DC coordinates starting DC bytes in
             v_even, v_odd = load_halves(cache_ptr, v_rec + DC, n_ok[:, None, :], v_lut_ptr, ASM, 4, HEAD_DIM - 2 * DC,
                                         2 * DC, WARP_N, AXIS=1)
-            acc_e1 = _mma(v_even, pt, acc_e1 * alpha, UPCAST)
-            acc_o1 = _mma(v_odd, pt, acc_o1 * alpha, UPCAST)
+            acc_e1 = mma(v_even, pt, acc_e1 * alpha, UPCAST)
+            acc_o1 = mma(v_odd, pt, acc_o1 * alpha, UPCAST)
         m_i = m_new
 
     # The warps' partials, merged: the one exchange across warps.

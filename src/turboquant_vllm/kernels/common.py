@@ -41,6 +41,14 @@ def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     return x.to(dtype)
 
 
+@triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b; UPCAST runs it in fp32 (Triton's CPU interpreter mis-multiplies half-precision operands)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
 def nibble_lookup_asm(magnitudes_fp16: list[int]) -> str:
     """PTX that turns 4 bytes of 4-bit sign-magnitude codes into 8 fp16 values with byte permutes.
 

@@ -15,6 +15,7 @@ from .common import nibble_int8_asm, nibble_lookup_asm
 @dataclass(frozen=True)
 class KernelConstants:
     rotation: torch.Tensor  # (d, d) fp32
+    rotation_fp16: torch.Tensor  # (2, d, d) fp16 with [0] + [1] = R to ~1e-7: fp16 MMAs at ~fp32 accuracy
     key_boundaries: torch.Tensor  # fp32 magnitude thresholds
     value_boundaries: torch.Tensor
     key_values: dict  # dtype -> (2^k_bits,) code values
@@ -31,8 +32,11 @@ def _constants(k_bits: int, v_bits: int, head_dim: int, device: torch.device) ->
     # Boundaries need one entry even at 1 bit, so the kernels always get a valid pointer.
     pad = lambda b: b if b.numel() else torch.zeros(1, device=device)  # noqa: E731
     dtypes = (torch.float16, torch.bfloat16, torch.float32)  # fp32: the store's norm correction
+    rotation = kq.rotation(device)
+    hi = rotation.half()
     return KernelConstants(
-        kq.rotation(device),
+        rotation,
+        torch.stack([hi, (rotation - hi.float()).half()]),
         pad(kq.boundaries(device)),
         pad(vq.boundaries(device)),
         {dt: kq.code_values(device, dt) for dt in dtypes},

@@ -1,4 +1,4 @@
-"""Into and out of the cache's rotated basis: queries before attention, outputs after.
+"""Into and out of the cache's rotated basis: queries before paged attention, outputs after.
 
 References: core.reference.rotate_queries_reference ((q * key scale) @ R.T * scale) and
 merge_and_unrotate_reference (the split merge, then @ R), R being core.rotation's matrix (fp32).
@@ -65,35 +65,31 @@ def _rotate_queries_kernel(
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads"])
-def _unrotate_kernel(
-    src_ptr, ml_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, MERGE: tl.constexpr,
+def _merge_and_unrotate_kernel(
+    acc_ptr, ml_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """out[row] = o[row] @ R, cast to out's dtype. MERGE: o is the softmax merge of NUM_SPLITS partials
-    (unnormalized acc (rows, splits, d) in src, row maxima (log2) and sums in ml); else o = src[row]."""
+    """out[row] = o[row] @ R, cast to out's dtype, o the softmax merge of NUM_SPLITS partials (unnormalized acc
+    (rows, splits, d), row maxima (log2) and sums in ml)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
-    if MERGE:
-        s = tl.arange(0, NUM_SPLITS)
-        ml = ml_ptr + rows[:, None] * (2 * NUM_SPLITS) + s[None, :]
-        m = tl.load(ml, mask=row_ok[:, None], other=float("-inf"))
-        l_part = tl.load(ml + NUM_SPLITS, mask=row_ok[:, None], other=0.0)
-        m_max = tl.max(m, axis=1)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row that saw no key
-        w = tl.exp2(m - m_max[:, None])
-        total = tl.sum(w * l_part, axis=1)
-        w = w / tl.where(total == 0.0, 1.0, total)[:, None]  # a row that saw no key stays 0
+    s = tl.arange(0, NUM_SPLITS)
+    ml = ml_ptr + rows[:, None] * (2 * NUM_SPLITS) + s[None, :]
+    m = tl.load(ml, mask=row_ok[:, None], other=float("-inf"))
+    l_part = tl.load(ml + NUM_SPLITS, mask=row_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row that saw no key
+    w = tl.exp2(m - m_max[:, None])
+    total = tl.sum(w * l_part, axis=1)
+    w = w / tl.where(total == 0.0, 1.0, total)[:, None]  # a row that saw no key stays 0
     acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
     for k0 in tl.static_range(0, D_PAD, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (k[None, :] < HEAD_DIM)
-        if MERGE:
-            part = tl.load(src_ptr + (rows[:, None, None] * NUM_SPLITS + s[None, :, None]) * HEAD_DIM
-                           + k[None, None, :], mask=ok[:, None, :], other=0.0)
-            x = tl.sum(part * w[:, :, None], axis=1)
-        else:
-            x = tl.load(src_ptr + rows[:, None] * HEAD_DIM + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        part = tl.load(acc_ptr + (rows[:, None, None] * NUM_SPLITS + s[None, :, None]) * HEAD_DIM + k[None, None, :],
+                       mask=ok[:, None, :], other=0.0)
+        x = tl.sum(part * w[:, :, None], axis=1)
         acc = tl.dot(x, matrix_rows(rot_ptr, k0, HEAD_DIM, 1, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
     token = rows // num_q_heads
     head = rows % num_q_heads
@@ -127,8 +123,10 @@ def rotate_queries(
     return out
 
 
-def _unrotate(src: torch.Tensor, ml: torch.Tensor | None, num_splits: int, out: torch.Tensor,
-              layout: CacheLayout) -> torch.Tensor:
+def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, out: torch.Tensor,
+                       layout: CacheLayout) -> torch.Tensor:
+    """out = (softmax merge of the split partials) @ R: part_acc (rows, splits, head_dim) unnormalized
+    accumulators, part_ml (rows, 2, splits) log2-domain row maxima and sums, rows = (token, q head)."""
     tokens, q_heads, head_dim = out.shape
     if out.stride(2) != 1:
         raise ValueError("out must be contiguous in head_dim")
@@ -137,24 +135,9 @@ def _unrotate(src: torch.Tensor, ml: torch.Tensor | None, num_splits: int, out: 
         return out
     rotation = kernel_constants(layout, out.device).rotation
     block_r, warps = launch_shape(rows, head_dim)
-    _unrotate_kernel[(triton.cdiv(rows, block_r),)](
-        src, src if ml is None else ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, MERGE=ml is not None, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
-        BLOCK_R=block_r, BLOCK_K=max(16, min(32, 512 // (num_splits * block_r // 16))),
-        INTERPRET=INTERPRETED, num_warps=warps,
+    _merge_and_unrotate_kernel[(triton.cdiv(rows, block_r),)](
+        part_acc, part_ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r,
+        BLOCK_K=max(16, min(32, 512 // (num_splits * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
     )
     return out
-
-
-def unrotate_outputs(src: torch.Tensor, out: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
-    """out = src @ R (src contiguous (tokens, q_heads, head_dim), any float dtype), in out's dtype."""
-    if src.shape != out.shape or not src.is_contiguous():
-        raise ValueError(f"src must be contiguous with out's shape {tuple(out.shape)}")
-    return _unrotate(src, None, 1, out, layout)
-
-
-def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, out: torch.Tensor,
-                       layout: CacheLayout) -> torch.Tensor:
-    """out = (softmax merge of the split partials) @ R: part_acc (rows, splits, head_dim) unnormalized
-    accumulators, part_ml (rows, 2, splits) log2-domain row maxima and sums, rows = (token, q head)."""
-    return _unrotate(part_acc, part_ml, num_splits, out, layout)

@@ -65,18 +65,18 @@ def dense_prefill_attention(
     max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None, softcap: float | None,
     out: torch.Tensor, key_calibration: KeyCalibration | None = None,
 ) -> None:
-    """Attention over the compressed pages for long prefills: expand the sequences' context once
-    (exact cache values, rotated basis), then FlashAttention; the same result as paged_attention."""
-    from ..kernels import dequantize_pages, rotate_queries, unrotate_outputs
+    """Attention over the compressed pages for long prefills: expand the sequences' context once into the
+    model's basis (exact cache values), then FlashAttention on the queries as they are, straight into `out`;
+    the same result as paged_attention."""
+    from ..kernels import dequantize_pages
 
     flash, version = compat.flash_attn_varlen()
-    k, v = dequantize_pages(kv_cache, layout, block_table, seq_lens, cu_seqlens_k, total_k, max_seq_len, query.dtype)
-    q = rotate_queries(query, layout, 1.0, key_calibration, query.dtype)
+    k, v = dequantize_pages(kv_cache, layout, block_table, seq_lens, cu_seqlens_k, total_k, max_seq_len, query.dtype,
+                            key_calibration)
     window = [sliding_window - 1, 0] if sliding_window else [-1, -1]
-    o = flash(q, k, v, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc, max_seqlen_k=max_seq_len,
-              cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=True, window_size=window,
-              softcap=softcap or 0.0, fa_version=version)
-    unrotate_outputs(o, out, layout)
+    flash(query, k, v, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc, max_seqlen_k=max_seq_len,
+          cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0,
+          out=out, fa_version=version)
 
 
 def process_preset(vllm_config: Any | None = None) -> Preset:

@@ -1,0 +1,163 @@
+"""One layer's attention work in a prefill step: ours vs FLASH_ATTN bf16, side by side.
+
+A step's new tokens are written to the cache and attended causally over their sequence's context
+(a cached prefix + the new tokens), as vLLM does with chunked prefill:
+- bf16: vLLM's reshape_and_cache_flash + FlashAttention-3 over the paged bf16 cache (what FLASH_ATTN runs);
+- ours (tq4, tq3): store_kv + the backend's dense prefill (expand the context, FlashAttention-3),
+  with the e2e model's shape (16 query / 4 KV heads, d 128, block 16), random bf16 inputs.
+Times are medians of triton's do_bench, no CUDA graph (vLLM does not capture prefill steps).
+
+    python benchmarks/prefill_attention.py [--steps 2x8192+0,1x8192+24576,16x1024+0] [--out DIR]
+Writes DIR/prefill_attention.{json,md,png} (default benchmarks/results). Run it with an older tree first on
+PYTHONPATH to compare versions of ours: the functions it calls keep their signatures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import triton
+
+from turboquant_vllm.core.layout import CacheLayout
+from turboquant_vllm.core.presets import get_preset
+from turboquant_vllm.kernels import store_kv
+from turboquant_vllm.vllm.backend import dense_prefill_attention
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 4, 128, 16
+STEPS = "2x8192+0,1x8192+24576,16x1024+0"
+RESULTS = Path(__file__).parent / "results"
+
+
+class Step:
+    """`seqs` sequences, each `new` tokens after a cached prefix of `prefix` tokens, pages shuffled."""
+
+    def __init__(self, seqs: int, new: int, prefix: int, gen: torch.Generator):
+        self.seqs, self.new, self.prefix = seqs, new, prefix
+        context = prefix + new
+        self.blocks_per_seq = math.ceil(context / BLOCK)
+        self.num_blocks = seqs * self.blocks_per_seq
+        self.block_table = torch.randperm(self.num_blocks, generator=gen).view(seqs, -1).to(torch.int32).cuda()
+        self.seq_lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
+        self.qsl = (torch.arange(seqs + 1, dtype=torch.int32) * new).cuda()
+        self.cu_k = (torch.arange(seqs + 1, dtype=torch.int32) * context).cuda()
+        pos = torch.arange(prefix, context)
+        self.new_slots = torch.cat([  # slots of the step's new tokens
+            self.block_table[s, pos // BLOCK].cpu().long() * BLOCK + pos % BLOCK for s in range(seqs)]).cuda()
+        pos = torch.arange(context)
+        self.all_slots = torch.cat([
+            self.block_table[s, pos // BLOCK].cpu().long() * BLOCK + pos % BLOCK for s in range(seqs)]).cuda()
+        tokens = seqs * new
+        self.query = torch.randn(tokens, Q_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).cuda()
+        self.key = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).cuda()
+        self.value = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).cuda()
+        self.prefix_kv = torch.randn(seqs * context, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).cuda()
+
+    @property
+    def name(self) -> str:
+        return f"{self.seqs}x{self.new}+{self.prefix}"
+
+    def flops(self) -> float:
+        """Causal attention FLOPs (QK^T and PV) of the step's queries."""
+        per_seq = sum(self.prefix + i + 1 for i in range(self.new))  # keys each query attends
+        return 4 * HEAD_DIM * Q_HEADS * self.seqs * per_seq
+
+
+def flash_bf16(s: Step):
+    from vllm import _custom_ops as ops
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    k_cache = torch.randn(s.num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+    out = torch.empty_like(s.query)
+
+    def step():
+        ops.reshape_and_cache_flash(s.key, s.value, k_cache, v_cache, s.new_slots, "auto", one, one)
+        flash_attn_varlen_func(s.query, k_cache, v_cache, max_seqlen_q=s.new, cu_seqlens_q=s.qsl,
+                               max_seqlen_k=s.prefix + s.new, seqused_k=s.seq_lens, softmax_scale=HEAD_DIM**-0.5,
+                               causal=True, block_table=s.block_table, out=out, fa_version=3)
+    return step
+
+
+def ours(s: Step, preset: str):
+    layout = CacheLayout(get_preset(preset), HEAD_DIM, KV_HEADS, BLOCK)
+    cache = torch.zeros(layout.cache_shape(s.num_blocks), dtype=torch.uint8, device="cuda")
+    store_kv(s.prefix_kv, s.prefix_kv, cache, s.all_slots, layout)  # the cached prefix (and every slot) filled
+    out = torch.empty_like(s.query)
+    total_k = s.seqs * (s.prefix + s.new)
+
+    def step():
+        store_kv(s.key, s.value, cache, s.new_slots, layout)
+        dense_prefill_attention(s.query, cache, layout, s.block_table, s.qsl, s.seq_lens, s.cu_k, total_k=total_k,
+                                max_query_len=s.new, max_seq_len=s.prefix + s.new, scale=HEAD_DIM**-0.5,
+                                sliding_window=None, softcap=None, out=out)
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", default=STEPS, help="SEQSxNEW+PREFIX,...")
+    ap.add_argument("--kv", default="bf16,tq4,tq3")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for spec in args.steps.split(","):
+        shape, prefix = spec.split("+")
+        seqs, new = (int(x) for x in shape.split("x"))
+        s = Step(seqs, new, int(prefix), gen)
+        base = None
+        for kv in args.kv.split(","):
+            fn = flash_bf16(s) if kv == "bf16" else ours(s, kv)
+            fn()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            base = ms if kv == "bf16" else base
+            rows.append(dict(kv=kv, step=s.name, seqs=seqs, new_tokens=new, prefix=s.prefix, time_ms=ms,
+                             tflops=s.flops() / ms / 1e9, vs_bf16=(base / ms) if base else None))
+            print(f"{kv:6s} {s.name:>14s}: {ms:8.3f} ms  {rows[-1]['tflops']:6.0f} TFLOP/s  "
+                  f"x{rows[-1]['vs_bf16'] or 0:.2f} vs bf16", flush=True)
+        del s
+        torch.cuda.empty_cache()
+    write(rows, Path(args.out))
+
+
+def write(rows, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                block_size=BLOCK, command="python benchmarks/prefill_attention.py")
+    (out / "prefill_attention.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"Prefill attention of one layer (store + attention), {Q_HEADS} q / {KV_HEADS} KV heads, d={HEAD_DIM}, "
+             f"{meta['device']}; step = sequences x new tokens + cached prefix\n",
+             "| kv | step | time (ms) | attention TFLOP/s | speed vs bf16 |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        sp = f"{r['vs_bf16']:.2f}x" if r["vs_bf16"] else ""
+        lines.append(f"| {r['kv']} | {r['step']} | {r['time_ms']:.3f} | {r['tflops']:.0f} | {sp} |")
+    (out / "prefill_attention.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kvs = list(dict.fromkeys(r["kv"] for r in rows))
+    steps = list(dict.fromkeys(r["step"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(kvs)
+    for i, kv in enumerate(kvs):
+        ys = [next((r["time_ms"] for r in rows if r["kv"] == kv and r["step"] == st), math.nan) for st in steps]
+        ax.bar([j + i * width for j in range(len(steps))], ys, width, label=kv)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(steps))], steps)
+    ax.set_ylabel("one layer's prefill attention (ms, lower is better)")
+    ax.set_title(f"Prefill attention on {meta['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "prefill_attention.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
