@@ -61,9 +61,13 @@ class Step:
         return f"{self.seqs}x{self.new}+{self.prefix}"
 
     def flops(self) -> float:
-        """Causal attention FLOPs (QK^T and PV) of the step's queries."""
-        per_seq = sum(self.prefix + i + 1 for i in range(self.new))  # keys each query attends
-        return 4 * HEAD_DIM * Q_HEADS * self.seqs * per_seq
+        return causal_flops(self.seqs, self.new, self.prefix)
+
+
+def causal_flops(seqs: int, new: int, prefix: int) -> float:
+    """Causal attention FLOPs (QK^T and PV) of `new` queries per sequence after `prefix` cached tokens."""
+    keys = new * prefix + new * (new + 1) // 2  # keys the queries attend, the diagonal included
+    return 4 * HEAD_DIM * Q_HEADS * seqs * keys
 
 
 def flash_bf16(s: Step):
