@@ -3,8 +3,9 @@
 A step's new tokens are written to the cache and attended causally over their sequence's context
 (a cached prefix + the new tokens), as vLLM does with chunked prefill:
 - bf16: vLLM's reshape_and_cache_flash + FlashAttention-3 over the paged bf16 cache (what FLASH_ATTN runs);
-- ours (tq4, tq3): store_kv + the backend's dense prefill (expand the context, FlashAttention-3),
-  with the e2e model's shape (16 query / 4 KV heads, d 128, block 16), random bf16 inputs.
+- ours (tq4, tq3): store_kv + the backend's dense prefill (expand the context, FlashAttention-3), then each of
+  the three alone ("tq4 store", "tq4 expand", "tq4 attention");
+with the e2e model's shape (16 query / 4 KV heads, d 128, block 16), random bf16 inputs.
 Times are medians of triton's do_bench, no CUDA graph (vLLM does not capture prefill steps).
 
     python benchmarks/prefill_attention.py [--steps 2x8192+0,1x8192+24576,16x1024+0] [--out DIR]
@@ -87,19 +88,33 @@ def flash_bf16(s: Step):
     return step
 
 
-def ours(s: Step, preset: str):
+def ours(s: Step, preset: str) -> dict:
+    """The step, then its parts alone: the store, the expansion of the context, FlashAttention over it."""
+    from turboquant_vllm.kernels import dequantize_pages
+    from turboquant_vllm.vllm import compat
+
     layout = CacheLayout(get_preset(preset), HEAD_DIM, KV_HEADS, BLOCK)
     cache = torch.zeros(layout.cache_shape(s.num_blocks), dtype=torch.uint8, device="cuda")
     store_kv(s.prefix_kv, s.prefix_kv, cache, s.all_slots, layout)  # the cached prefix (and every slot) filled
     out = torch.empty_like(s.query)
-    total_k = s.seqs * (s.prefix + s.new)
+    total_k, max_k = s.seqs * (s.prefix + s.new), s.prefix + s.new
+    flash, version = compat.flash_attn_varlen()
+    k, v = dequantize_pages(cache, layout, s.block_table, s.seq_lens, s.cu_k, total_k, max_k, s.query.dtype)
 
     def step():
         store_kv(s.key, s.value, cache, s.new_slots, layout)
         dense_prefill_attention(s.query, cache, layout, s.block_table, s.qsl, s.seq_lens, s.cu_k, total_k=total_k,
-                                max_query_len=s.new, max_seq_len=s.prefix + s.new, scale=HEAD_DIM**-0.5,
+                                max_query_len=s.new, max_seq_len=max_k, scale=HEAD_DIM**-0.5,
                                 sliding_window=None, softcap=None, out=out)
-    return step
+    return {
+        preset: step,
+        f"{preset} store": lambda: store_kv(s.key, s.value, cache, s.new_slots, layout),
+        f"{preset} expand": lambda: dequantize_pages(cache, layout, s.block_table, s.seq_lens, s.cu_k, total_k, max_k,
+                                                     s.query.dtype),
+        f"{preset} attention": lambda: flash(s.query, k, v, max_seqlen_q=s.new, cu_seqlens_q=s.qsl, max_seqlen_k=max_k,
+                                             cu_seqlens_k=s.cu_k, softmax_scale=HEAD_DIM**-0.5, causal=True,
+                                             out=out, fa_version=version),
+    }
 
 
 def main() -> None:
@@ -116,15 +131,16 @@ def main() -> None:
         s = Step(seqs, new, int(prefix), gen)
         base = None
         for kv in args.kv.split(","):
-            fn = flash_bf16(s) if kv == "bf16" else ours(s, kv)
-            fn()
-            torch.cuda.synchronize()
-            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-            base = ms if kv == "bf16" else base
-            rows.append(dict(kv=kv, step=s.name, seqs=seqs, new_tokens=new, prefix=s.prefix, time_ms=ms,
-                             tflops=s.flops() / ms / 1e9, vs_bf16=(base / ms) if base else None))
-            print(f"{kv:6s} {s.name:>14s}: {ms:8.3f} ms  {rows[-1]['tflops']:6.0f} TFLOP/s  "
-                  f"x{rows[-1]['vs_bf16'] or 0:.2f} vs bf16", flush=True)
+            for name, fn in ({"bf16": flash_bf16(s)} if kv == "bf16" else ours(s, kv)).items():
+                fn()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+                base = ms if name == "bf16" else base
+                whole = name in ("bf16", kv)  # the parts of a step get no TFLOP/s or ratio
+                rows.append(dict(kv=name, step=s.name, seqs=seqs, new_tokens=new, prefix=s.prefix, time_ms=ms,
+                                 tflops=s.flops() / ms / 1e9 if whole else None,
+                                 vs_bf16=(base / ms) if base and whole else None))
+                print(f"{name:14s} {s.name:>14s}: {ms:8.3f} ms  x{rows[-1]['vs_bf16'] or 0:.2f} vs bf16", flush=True)
         del s
         torch.cuda.empty_cache()
     write(rows, Path(args.out))
@@ -140,7 +156,8 @@ def write(rows, out: Path) -> None:
              "| kv | step | time (ms) | attention TFLOP/s | speed vs bf16 |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
         sp = f"{r['vs_bf16']:.2f}x" if r["vs_bf16"] else ""
-        lines.append(f"| {r['kv']} | {r['step']} | {r['time_ms']:.3f} | {r['tflops']:.0f} | {sp} |")
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else ""
+        lines.append(f"| {r['kv']} | {r['step']} | {r['time_ms']:.3f} | {tf} | {sp} |")
     (out / "prefill_attention.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
@@ -148,7 +165,7 @@ def write(rows, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kvs = list(dict.fromkeys(r["kv"] for r in rows))
+    kvs = list(dict.fromkeys(r["kv"] for r in rows if r["tflops"]))  # whole steps only
     steps = list(dict.fromkeys(r["step"] for r in rows))
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(kvs)
