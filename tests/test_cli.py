@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from turboquant_vllm.cli import main
 
@@ -39,3 +40,15 @@ def test_calibrate_rejects_unknown_preset_and_needs_text(capsys):
 def test_serve_rejects_unknown_preset():
     with pytest.raises(ValueError, match="tq4"):
         main(["serve", "some/model", "--preset", "tq9"])
+
+
+def test_bench_rejects_unknown_preset():
+    with pytest.raises(ValueError, match="tq4"):
+        main(["bench", "--presets", "tq4,tq9"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for machines without a GPU")
+def test_bench_without_a_gpu_says_so(capsys):
+    assert main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "turboquant-vllm demo" in err

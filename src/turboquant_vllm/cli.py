@@ -1,4 +1,4 @@
-"""turboquant-vllm: verify the math, demo the kernels, serve a model with the compressed KV cache."""
+"""turboquant-vllm: verify the math, demo and bench the kernels, serve a model with the compressed KV cache."""
 
 from __future__ import annotations
 
@@ -78,6 +78,53 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if att_err < 1e-2 else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import functools
+
+    import torch
+
+    from .core.presets import get_preset
+
+    presets = args.presets.split(",")
+    for p in presets:
+        get_preset(p)  # an unknown name fails here, with the list of presets
+    q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    if not torch.cuda.is_available():
+        print("turboquant-vllm bench times the kernels natively and needs a CUDA GPU; none is visible here. "
+              "`turboquant-vllm demo` runs them on a CPU (Triton's interpreter).", file=sys.stderr)
+        return 2
+    from .bench import Batch, Shape, copy_bandwidth, flash, flash_available, measure, ours, table
+
+    peak = copy_bandwidth()
+    no_flash = flash_available()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, context in shapes:
+        b = Batch(Shape(batch, context, q_heads, kv_heads, args.head_dim), gen)
+        kernels = {} if no_flash else {"fa3_bf16": functools.partial(flash, b, False),
+                                       "fa3_fp8": functools.partial(flash, b, True)}
+        kernels.update({p: functools.partial(ours, b, p) for p in presets})
+        rows += measure(b, kernels, peak, log=lambda line: print(line, file=sys.stderr))
+        del b
+        torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name()
+    if args.json:
+        print(json.dumps({"device": device, "copy_bandwidth_tbps": peak / 1e12, "baselines": no_flash or "ok",
+                          "rows": rows}, indent=1))
+        return 0 if rows else 1
+    print(f"Decode attention on {device} (copy bandwidth {peak / 1e12:.2f} TB/s): {q_heads} query / {kv_heads} KV "
+          f"heads, head_dim {args.head_dim}, one query token per sequence, CUDA-graph replay")
+    if no_flash:
+        print(f"FlashAttention baselines left out: {no_flash}")
+    print("\n".join(table(rows)))
+    for p in presets:
+        preset = get_preset(p)
+        print(f"{p}: {preset.bytes_per_token_per_head(args.head_dim)} B per token per KV head, "
+              f"{preset.capacity_vs_bf16(args.head_dim):.2f}x the tokens of a bf16 cache")
+    return 0 if rows else 1
+
+
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     from .core.presets import get_preset
 
@@ -111,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--preset", default="tq4")
     d.add_argument("--head-dim", type=int, default=128)
     d.add_argument("--context", type=int, default=200)
+    b = sub.add_parser("bench", help="time decode attention on this GPU: presets vs FlashAttention-3 bf16 / fp8")
+    b.add_argument("--presets", default="tq4", help="comma-separated presets")
+    b.add_argument("--shapes", default="64x8192,32x32768", help="BATCHxCONTEXT,... (one query token per sequence)")
+    b.add_argument("--heads", default="32/8", help="query / KV heads")
+    b.add_argument("--head-dim", type=int, default=128)
+    b.add_argument("--json", action="store_true")
     s = sub.add_parser("serve", help="vllm serve MODEL --attention-backend CUSTOM with a preset (extra args go to vLLM)")
     s.add_argument("model")
     s.add_argument("--preset", default="tq4")
@@ -127,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(args, extra)
     if extra:
         ap.error(f"unrecognized arguments: {' '.join(extra)}")
-    return {"verify": cmd_verify, "demo": cmd_demo, "calibrate": cmd_calibrate}[args.command](args)
+    return {"verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench, "calibrate": cmd_calibrate}[args.command](args)
 
 
 if __name__ == "__main__":
