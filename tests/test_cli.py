@@ -52,3 +52,9 @@ def test_bench_without_a_gpu_says_so(capsys):
     assert main(["bench"]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "turboquant-vllm demo" in err
+
+
+def test_serve_takes_the_preset_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq9")  # as the container image and its Quadlet unit set it
+    with pytest.raises(ValueError, match="tq4"):
+        main(["serve", "some/model"])

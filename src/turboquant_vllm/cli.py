@@ -128,8 +128,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     from .core.presets import get_preset
 
-    get_preset(args.preset)  # fail here, with the list of presets, not inside vLLM
-    env = dict(os.environ, TURBOQUANT_PRESET=args.preset)
+    preset = args.preset or os.environ.get("TURBOQUANT_PRESET") or "tq4"
+    get_preset(preset)  # fail here, with the list of presets, not inside vLLM
+    env = dict(os.environ, TURBOQUANT_PRESET=preset)
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--attention-backend", "CUSTOM"]
     os.execvpe(cmd[0], cmd + extra, env)
 
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true")
     s = sub.add_parser("serve", help="vllm serve MODEL --attention-backend CUSTOM with a preset (extra args go to vLLM)")
     s.add_argument("model")
-    s.add_argument("--preset", default="tq4")
+    s.add_argument("--preset", help="default: $TURBOQUANT_PRESET, else tq4")
     c = sub.add_parser("calibrate", help="fit a key calibration (mean and scale per layer and KV head) on text")
     c.add_argument("model")
     c.add_argument("--text", nargs="+", required=True, help="text files or directories of *.txt")
