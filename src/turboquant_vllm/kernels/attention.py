@@ -37,7 +37,7 @@ NUM_SMS_DEFAULT = 132
 
 @triton.jit
 def _int_mma(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a @ b of int8 operands: int32 and exact on the GPU; fp32 when interpreted (see _mma)."""
+    """acc + a @ b of int8 operands: int32 and exact on the GPU; fp32 when interpreted (see common.mma)."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc.to(tl.float32))
     return tl.dot(a, b, acc, out_dtype=tl.int32)
