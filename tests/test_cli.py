@@ -58,3 +58,10 @@ def test_serve_takes_the_preset_from_the_environment(monkeypatch):
     monkeypatch.setenv("TURBOQUANT_PRESET", "tq9")  # as the container image and its Quadlet unit set it
     with pytest.raises(ValueError, match="tq4"):
         main(["serve", "some/model"])
+
+
+@pytest.mark.parametrize("args", [["--shapes", "64x"], ["--shapes", "64x8192,0x10"], ["--heads", "32"]])
+def test_bench_rejects_malformed_shapes_and_heads(args, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", *args])
+    assert "expected" in capsys.readouterr().err

@@ -88,8 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     presets = args.presets.split(",")
     for p in presets:
         get_preset(p)  # an unknown name fails here, with the list of presets
-    q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    q_heads, kv_heads = args.heads
     if not torch.cuda.is_available():
         print("turboquant-vllm bench times the kernels natively and needs a CUDA GPU; none is visible here. "
               "`turboquant-vllm demo` runs them on a CPU (Triton's interpreter).", file=sys.stderr)
@@ -100,7 +99,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     no_flash = flash_available()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for batch, context in shapes:
+    for batch, context in args.shapes:
         b = Batch(Shape(batch, context, q_heads, kv_heads, args.head_dim), gen)
         kernels = {} if no_flash else {"fa3_bf16": functools.partial(flash, b, False),
                                        "fa3_fp8": functools.partial(flash, b, True)}
@@ -148,6 +147,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_pairs(sep: str, what: str):
+    """argparse type: "AxB[,CxD...]" (sep "x") or "A/B" (sep "/") of positive integers, with a usage error otherwise."""
+    def parse(text: str) -> list[tuple[int, int]] | tuple[int, int]:
+        try:
+            pairs = [tuple(int(x) for x in item.split(sep)) for item in text.split(",")]
+            if any(len(p) != 2 or min(p) < 1 for p in pairs):
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        return pairs if sep == "x" else pairs[0]
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="turboquant-vllm", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -161,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--context", type=int, default=200)
     b = sub.add_parser("bench", help="time decode attention on this GPU: presets vs FlashAttention-3 bf16 / fp8")
     b.add_argument("--presets", default="tq4", help="comma-separated presets")
-    b.add_argument("--shapes", default="64x8192,32x32768", help="BATCHxCONTEXT,... (one query token per sequence)")
-    b.add_argument("--heads", default="32/8", help="query / KV heads")
+    b.add_argument("--shapes", type=_int_pairs("x", "BATCHxCONTEXT[,BATCHxCONTEXT...], e.g. 64x8192"),
+                   default="64x8192,32x32768", help="BATCHxCONTEXT,... (one query token per sequence)")
+    b.add_argument("--heads", type=_int_pairs("/", "QUERY_HEADS/KV_HEADS, e.g. 32/8"), default="32/8",
+                   help="query / KV heads")
     b.add_argument("--head-dim", type=int, default=128)
     b.add_argument("--json", action="store_true")
     s = sub.add_parser("serve", help="vllm serve MODEL --attention-backend CUSTOM with a preset (extra args go to vLLM)")
