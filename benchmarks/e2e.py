@@ -68,7 +68,10 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
               **({"attention_config": {"backend": backend}} if backend else {}))
     cache = llm.llm_engine.vllm_config.cache_config
-    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size}
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    # What shapes the steps (and so the decode figure, see NOTES.md session 8): kept with the row.
+    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "max_num_seqs": sched.max_num_seqs,
+           "max_num_batched_tokens": sched.max_num_batched_tokens}
     rng = random.Random(0)
 
     def timed(prompts: list, max_tokens: int) -> float:
