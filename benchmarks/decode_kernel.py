@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +27,8 @@ from turboquant_vllm.kernels.attention import default_num_splits
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SHAPES = [(64, 8192), (32, 32768), (8, 131072), (1, 131072)]
 RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).parent))
+from plot import grouped_bars  # noqa: E402
 
 
 def in_tree(b: Batch, preset: str):
@@ -115,25 +117,11 @@ def write(rows, peak, out: Path) -> None:
              f"{meta['device']}, copy bandwidth {peak / 1e12:.2f} TB/s\n", *table(rows)]
     (out / "decode_kernel.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     kernels = [k for k in dict.fromkeys(r["kernel"] for r in rows) if k != "tq4_store"]
     shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(kernels)
-    for i, k in enumerate(kernels):
-        ys = [next((r["time_ms"] for r in rows if r["kernel"] == k and (r["batch"], r["context"]) == s), math.nan)
-              for s in shapes]
-        ax.bar([j + i * width for j in range(len(shapes))], ys, width, label=k)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"{b} x {c // 1024}k" for b, c in shapes])
-    ax.set_ylabel("decode attention time (ms, lower is better)")
-    ax.set_title(f"Decode attention on {meta['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "decode_kernel.png", dpi=120)
+    grouped_bars(out / "decode_kernel.png", rows, kernels, "kernel", shapes, lambda r: (r["batch"], r["context"]),
+                 [f"{b} x {c // 1024}k" for b, c in shapes], "decode attention time (ms, lower is better)",
+                 f"Decode attention on {meta['device']}", (10, 4.5))
 
 
 if __name__ == "__main__":

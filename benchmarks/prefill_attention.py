@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -26,7 +27,11 @@ import triton
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.kernels import store_kv
+from turboquant_vllm.vllm import compat
 from turboquant_vllm.vllm.backend import dense_prefill_attention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plot import grouped_bars  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 4, 128, 16
 STEPS = "2x8192+0,1x8192+24576,16x1024+0"
@@ -73,8 +78,8 @@ def causal_flops(seqs: int, new: int, prefix: int) -> float:
 
 def flash_bf16(s: Step):
     from vllm import _custom_ops as ops
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
 
+    flash, version = compat.flash_attn_varlen()
     k_cache = torch.randn(s.num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     v_cache = torch.randn_like(k_cache)
     one = torch.ones((), dtype=torch.float32, device="cuda")
@@ -82,16 +87,15 @@ def flash_bf16(s: Step):
 
     def step():
         ops.reshape_and_cache_flash(s.key, s.value, k_cache, v_cache, s.new_slots, "auto", one, one)
-        flash_attn_varlen_func(s.query, k_cache, v_cache, max_seqlen_q=s.new, cu_seqlens_q=s.qsl,
-                               max_seqlen_k=s.prefix + s.new, seqused_k=s.seq_lens, softmax_scale=HEAD_DIM**-0.5,
-                               causal=True, block_table=s.block_table, out=out, fa_version=3)
+        flash(s.query, k_cache, v_cache, max_seqlen_q=s.new, cu_seqlens_q=s.qsl, max_seqlen_k=s.prefix + s.new,
+              seqused_k=s.seq_lens, softmax_scale=HEAD_DIM**-0.5, causal=True, block_table=s.block_table, out=out,
+              fa_version=version)
     return step
 
 
 def ours(s: Step, preset: str) -> dict:
     """The step, then its parts alone: the store, the expansion of the context, FlashAttention over it."""
     from turboquant_vllm.kernels import dequantize_pages
-    from turboquant_vllm.vllm import compat
 
     layout = CacheLayout(get_preset(preset), HEAD_DIM, KV_HEADS, BLOCK)
     cache = torch.zeros(layout.cache_shape(s.num_blocks), dtype=torch.uint8, device="cuda")
@@ -160,24 +164,10 @@ def write(rows, out: Path) -> None:
         lines.append(f"| {r['kv']} | {r['step']} | {r['time_ms']:.3f} | {tf} | {sp} |")
     (out / "prefill_attention.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kvs = list(dict.fromkeys(r["kv"] for r in rows if r["tflops"]))  # whole steps only
     steps = list(dict.fromkeys(r["step"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(kvs)
-    for i, kv in enumerate(kvs):
-        ys = [next((r["time_ms"] for r in rows if r["kv"] == kv and r["step"] == st), math.nan) for st in steps]
-        ax.bar([j + i * width for j in range(len(steps))], ys, width, label=kv)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(steps))], steps)
-    ax.set_ylabel("one layer's prefill attention (ms, lower is better)")
-    ax.set_title(f"Prefill attention on {meta['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "prefill_attention.png", dpi=120)
+    kvs = list(dict.fromkeys(r["kv"] for r in rows if r["tflops"]))  # whole steps only
+    grouped_bars(out / "prefill_attention.png", rows, kvs, "kv", steps, lambda r: r["step"], steps,
+                 "one layer's prefill attention (ms, lower is better)", f"Prefill attention on {meta['device']}", (8, 4))
 
 
 if __name__ == "__main__":

@@ -103,8 +103,9 @@ def ours(b: Batch, preset: str, splits: int | None = None, **tuning) -> tuple[Ca
 
 def flash(b: Batch, fp8: bool) -> tuple[Callable[[], object], int]:
     """vLLM's FlashAttention-3 over the bf16 cache (or its fp8 cast, as vLLM's fp8 KV cache with unit scales)."""
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    from .vllm import compat
 
+    flash_attn_varlen_func, _ = compat.flash_attn_varlen()
     s = b.shape
     k, v, q = b.k_cache, b.v_cache, b.query
     kw = {}
@@ -123,12 +124,15 @@ def flash(b: Batch, fp8: bool) -> tuple[Callable[[], object], int]:
 
 
 def flash_available() -> str | None:
-    """None if vLLM's FlashAttention-3 can run here, else why not."""
+    """None if vLLM's FlashAttention-3 can run here, else why not (our kernels need no vLLM)."""
     try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
-    except Exception as e:  # ImportError, or vLLM's own error without its CUDA extensions
-        return f"vLLM's FlashAttention is not importable ({type(e).__name__}: {str(e)[:120]})"
-    return None if torch.cuda.get_device_capability()[0] == 9 else "FlashAttention-3 needs a Hopper GPU (sm_90)"
+        from .vllm import compat
+    except (ImportError, RuntimeError) as e:  # no vLLM, or one outside the supported range
+        return f"vLLM is not usable here ({type(e).__name__}: {str(e)[:160]})"
+    found = compat.flash_attn_varlen()
+    if found is None:
+        return "vLLM's FlashAttention is not importable here"
+    return None if found[1] == 3 else f"vLLM picks FlashAttention {found[1]} here; the baselines need version 3"
 
 
 def measure(b: Batch, kernels: dict[str, Callable[[], tuple[Callable[[], object], int]]], peak: float,
