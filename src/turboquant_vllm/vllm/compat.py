@@ -163,6 +163,7 @@ def workspace_manager() -> Any | None:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.cache  # asked per layer per prefill step; the answer is fixed for the process
 def flash_attn_varlen() -> tuple[Any, int] | None:
     """vLLM's FlashAttention varlen function and version, or None where it cannot run (no CUDA, no build)."""
     import torch
