@@ -1,11 +1,11 @@
 """Compile a decode attention kernel for sm_90 without a GPU and print its register count and
 the instruction mix of its main loop: the per-tile issue cost that bounds decode speed (NOTES.md).
 
-    python benchmarks/kernel_sass.py [--kernel general|tq4] [--preset tq4] [--block-n 128] [--warps 4]
+    python benchmarks/kernel_sass.py [--kernel decode|general] [--preset tq4] [--block-n 128] [--warps 4]
                                      [--stages 3] [--maxnreg N] [--out DIR]
 
---kernel general: _attention_kernel's decode path (every preset); tq4: _decode_kernel (one softmax per warp,
-block-n tokens per block, block-n / warps per warp).
+--kernel decode: _decode_kernel (one softmax per warp, block-n tokens per block, block-n / warps per warp);
+general: _attention_kernel's loop (prefill and chunks; compiled here for one query token).
 
 Uses Triton's own ptxas / cuobjdump; the integer arguments get the divisibility-by-16 hints a
 real launch gives them, so the cubin is the one the GPU would run for this shape.
@@ -36,35 +36,36 @@ DIVISIBLE = set(POINTERS) | {"stride_qt", "stride_qh", "stride_bt", "stride_cblo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--kernel", choices=("general", "tq4"), default="tq4")
-    ap.add_argument("--preset", default="tq4", help="for --kernel general")
+    ap.add_argument("--kernel", choices=("decode", "general"), default="decode")
+    ap.add_argument("--preset", default="tq4")
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=0, help="cap on registers per thread (0: ptxas chooses)")
     ap.add_argument("--out", default="build/kernel_sass", help="where the ttgir / ptx / sass are written")
     args = ap.parse_args()
-    preset = "tq4" if args.kernel == "tq4" else args.preset
-    layout = CacheLayout(get_preset(preset), 128, 8, 16)  # the benchmark's shape: 32 q / 8 KV heads, d 128
+    layout = CacheLayout(get_preset(args.preset), 128, 8, 16)  # the benchmark's shape: 32 q / 8 KV heads, d 128
+    c = _constants(layout.preset.k_bits, layout.preset.v_bits, 128, "cpu")
     consts = dict(
         NUM_Q_HEADS=32, GROUP=4, NUM_SPLITS=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16,
         K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes, K_NORM_OFF=layout.key_norm_offset,
         V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset, USE_WINDOW=False,
-        USE_SOFTCAP=False, UPCAST=False, ASM=_constants(4, 4, 128, "cpu").nibble_asm,
-        K_ASM=_constants(layout.preset.k_bits, layout.preset.v_bits, 128, "cpu").key_int8_asm)
-    if args.kernel == "tq4":
+        USE_SOFTCAP=False, UPCAST=False, K_ASM=c.key_mma_asm, V_ASM=c.value_lookup_asm,
+        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits)
+    if args.kernel == "decode":
         fn = attention._decode_kernel
         consts.update(ROWS=8, WARPS=args.warps, WARP_N=args.block_n // args.warps, V_CHUNKS=2)
     else:
         fn = attention._attention_kernel
-        consts.update(G_PAD=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=args.block_n, DECODE_ONLY=True,
-                      K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits)
+        consts.update(G_PAD=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=args.block_n, DECODE_ONLY=True)
     names = fn.arg_names
     pointers = dict(POINTERS, k_lut_ptr="*i8" if layout.preset.k_bits == 4 else "*fp16")
     signature = {n: pointers.get(n, "constexpr" if n in consts else "fp32" if n in ("softcap", "k_step") else "i32")
                  for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in DIVISIBLE}
-    options = {"num_warps": args.warps, "num_stages": args.stages, **({"maxnreg": args.maxnreg} if args.maxnreg else {})}
+    options = {"num_warps": args.warps, "num_stages": args.stages}
+    if args.maxnreg:
+        options["maxnreg"] = args.maxnreg
     kernel = triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ plus the relative error against core.reference on 2 sequences (one with a ragged
     git archive <commit> src | tar -x -C build/base       # one tree per version to compare
     python benchmarks/kernel_variants.py build/base [name=warps,block_n,maxnreg[,stages] ...]  # maxnreg 0: no cap
     MORE=1 python benchmarks/kernel_variants.py ...       # also k4v3, tq3 and tq4 at head_dim 256 / 64
+    PRESETS=tq3,k5v4 python benchmarks/kernel_variants.py ...  # also these presets at 16 / 4, 64 x 8k and 32 x 32k
 
 Shapes: 16 q / 4 KV heads at 64 x 8k and 32 x 32k, 32 / 8 at 64 x 8k (d 128); value norms spread over 4x.
 """
@@ -93,6 +94,10 @@ def main() -> None:
             run(variants, 16, 4, 64, 8192, preset)
         for head_dim in (256, 64):
             run(variants, 16, 4, 64, 8192, "tq4", head_dim)
+    for preset in filter(None, os.environ.get("PRESETS", "").split(",")):
+        for batch, ctx in [(64, 8192), (32, 32768)]:
+            run(variants, 16, 4, batch, ctx, preset)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -37,15 +37,33 @@ def test_nibble_asm_matches_code_table(head_dim):
     even = torch.full((4096,), float("nan"), dtype=torch.float16, device="cuda")
     odd = torch.full_like(even, float("nan"))
     c = _constants(4, 4, head_dim, torch.device("cuda"))
-    _decode[(1,)](packed, even, odd, ASM=c.nibble_asm, N=4096)
+    _decode[(1,)](packed, even, odd, ASM=c.value_lookup_asm, N=4096)
     table = Quantizer(4, head_dim).code_values("cuda", torch.float16)
     assert torch.equal(even, table[codes[:, 0].cuda().long()])
     assert torch.equal(odd, table[codes[:, 1].cuda().long()])
 
 
-def _run_ptx(program: str, word: int, num_outputs: int = 4) -> list[int]:
-    """Executes a lookup's PTX (mov / and / xor / shr / shl / prmt / lop3 on .b32) for one input word."""
-    regs = {f"${num_outputs}": word}
+@triton.jit
+def _decode_planes(low_ptr, top_ptr, even_ptr, odd_ptr, ASM: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [tl.load(low_ptr + i), tl.load(top_ptr + i)],
+                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    tl.store(even_ptr + i, even)
+    tl.store(odd_ptr + i, odd)
+
+
+def _plane_codes(bits: int, low: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What kernels.common.load_halves hands the 2- and 3-bit lookup: a pair's low-plane bits in bits 0..3 of `low`,
+    its top bits (3 bits: the signs) in bits 0..1 of `top`, anything above; the codes of its two coordinates."""
+    even, odd = low & 3, (low >> 2) & 3
+    if bits == 3:
+        even, odd = even | (top & 1) << 2, odd | (top >> 1 & 1) << 2
+    return even, odd
+
+
+def _run_ptx(program: str, word: int, num_outputs: int = 4, word2: int = 0) -> list[int]:
+    """Executes a lookup's PTX (mov / and / xor / shr / shl / prmt / lop3 on .b32) for one or two input words."""
+    regs = {f"${num_outputs}": word, f"${num_outputs + 1}": word2}
     val = lambda x: int(x, 0) if x[0].isdigit() else regs[x]  # noqa: E731
     for line in program.replace("{", "").replace("}", "").split(";"):
         parts = line.replace(",", " ").split()
@@ -90,9 +108,52 @@ def test_nibble_asm_program_on_cpu(head_dim):
     words += torch.randint(0, 2**32, (200,), generator=gen, dtype=torch.int64).tolist()
     for w in words:
         nib = [w >> 4 * j & 15 for j in range(8)]  # nibble 2b = coordinate 2b of byte b, nibble 2b+1 = 2b+1
-        got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.nibble_asm, w)]
+        got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.value_lookup_asm, w)]
         want = [[nib[0], nib[2]], [nib[4], nib[6]], [nib[1], nib[3]], [nib[5], nib[7]]]
         assert got == [[table[x] & 0xFFFF for x in pair] for pair in want], hex(w)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_plane_asm_program_on_cpu(bits, head_dim):
+    """The 2- and 3-bit lookup's PTX (emulated): regroup into sign-magnitude nibbles, then the 4-bit permutes; every
+    code at every byte position, with garbage in the bits the kernel leaves above each field."""
+    c = _constants(bits, bits, head_dim, torch.device("cpu"))
+    table = Quantizer(bits, head_dim).code_values("cpu", torch.float16).view(torch.int16).tolist()
+    gen = torch.Generator().manual_seed(bits * 1000 + head_dim)
+    low = torch.randint(0, 256, (400, 4), generator=gen)
+    top = torch.randint(0, 256, (400, 4), generator=gen)
+    low[:16, 0] = low[:16, 0] & 0xF0 | torch.arange(16)  # every low field and every sign pair at byte 0
+    top[:16, 0] = top[:16, 0] & 0xFC | torch.arange(16) % 4
+    for lw, tw in zip(low.tolist(), top.tolist()):
+        even, odd = _plane_codes(bits, torch.tensor(lw), torch.tensor(tw))
+        word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
+        got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.value_lookup_asm, word(lw), word2=word(tw))]
+        e, o = even.tolist(), odd.tolist()
+        want = [[e[0], e[1]], [e[2], e[3]], [o[0], o[1]], [o[2], o[3]]]
+        assert got == [[table[x] & 0xFFFF for x in pair] for pair in want], (lw, tw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_plane_asm_matches_code_table(bits, head_dim):
+    """On the GPU: the 2- and 3-bit lookup returns exactly the fp16 table value of both codes of every pair."""
+    gen = torch.Generator().manual_seed(bits * 100 + head_dim)
+    low = torch.randint(0, 256, (4096,), generator=gen, dtype=torch.uint8)
+    top = torch.randint(0, 256, (4096,), generator=gen, dtype=torch.uint8)
+    even = torch.full((4096,), float("nan"), dtype=torch.float16, device="cuda")
+    odd = torch.full_like(even, float("nan"))
+    c = _constants(bits, bits, head_dim, torch.device("cuda"))
+    _decode_planes[(1,)](low.cuda(), top.cuda(), even, odd, ASM=c.value_lookup_asm, N=4096)
+    table = Quantizer(bits, head_dim).code_values("cuda", torch.float16)
+    code_even, code_odd = _plane_codes(bits, low.long(), top.long())
+    assert torch.equal(even, table[code_even.cuda()]) and torch.equal(odd, table[code_odd.cuda()])
+
+
+def test_no_byte_permute_lookup_for_5_bits():
+    """16 magnitudes do not fit a byte permute's 8-byte pool: 5-bit codes take the table gathers."""
+    assert _constants(5, 4, 128, torch.device("cpu")).key_lookup_asm == ""
 
 
 def _int8_values(head_dim: int, device) -> torch.Tensor:

@@ -33,7 +33,8 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
     slots = batch.slot_mapping.clone()
     slots[3] = -1  # skipped token: its slot keeps the poison
     ours, ref = batch.kv_cache.clone(), batch.kv_cache.clone()
-    store_kv(batch.keys, batch.values, ours, slots, batch.layout, cal)
+    # The prefill-sized tile (store_block_tokens) on half the cases: 42 tokens leave it mostly masked.
+    store_kv(batch.keys, batch.values, ours, slots, batch.layout, cal, block_t=64 if calibrated else None)
     store_kv_reference(batch.keys, batch.values, ref, slots, batch.layout, cal)
     lay = batch.layout
     codes = torch.ones(lay.head_page_bytes, dtype=torch.bool, device=ours.device)
@@ -62,6 +63,13 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
         assert same.float().mean() > 0.9
         n_ours, n_ref = (records(c, norm_off, 4).contiguous().view(torch.float32)[..., 0] for c in (ours, ref))
         torch.testing.assert_close(n_ours[same], n_ref[same], rtol=2e-6, atol=0)
+
+
+def test_store_tiles_grow_with_the_batch():
+    from turboquant_vllm.kernels.store import STORE_LARGE_BATCH, store_block_tokens
+
+    sizes = (1, 64, STORE_LARGE_BATCH - 1, STORE_LARGE_BATCH, 16384)
+    assert [store_block_tokens(n) for n in sizes] == [16] * 3 + [64] * 2
 
 
 def test_store_rejects_bad_input():

@@ -8,6 +8,12 @@ A record of `dim` codes (dim % 8 == 0) packs into dim * bits / 8 bytes:
   the top bit as 1-bit codes (dim/8 bytes): 8 codes in 3 bytes, and every plane decodes with
   shifts and masks of whole bytes, which is what keeps the kernels' unpacking cheap;
 - 5 bits: the same with the low 4 bits as 4-bit codes (dim/2 bytes), then the top bit (dim/8).
+
+2- and 3-bit codes store each plane byte-sliced over the dim/8 groups of 8 coordinates: byte 0 of every group,
+then byte 1 of every group (a 1-bit plane, one byte a group, is unchanged). A kernel that gives element t of a tile
+the coordinate pair 4 (t % (dim/8)) + t // (dim/8) (kernels.common.pair_index) then reads consecutive bytes for
+consecutive elements, which the compiler pipelines; 4- and 5-bit codes need no such order (a byte of low bits per
+pair).
 """
 
 from __future__ import annotations
@@ -24,6 +30,18 @@ def record_bytes(dim: int, bits: int) -> int:
     if dim % 8:
         raise ValueError(f"head_dim must be a multiple of 8 to pack codes into bytes, got {dim}")
     return dim * bits // 8
+
+
+SLICED = (2, 3)  # code widths whose planes are byte-sliced (see above)
+
+
+def _slice(plane: torch.Tensor, width: int) -> torch.Tensor:
+    """Natural plane bytes -> byte-sliced: (groups, width bytes a group) -> (width, groups)."""
+    return plane.reshape(*plane.shape[:-1], -1, width).transpose(-1, -2).reshape(plane.shape)
+
+
+def _unslice(plane: torch.Tensor, width: int) -> torch.Tensor:
+    return plane.reshape(*plane.shape[:-1], width, -1).transpose(-1, -2).reshape(plane.shape)
 
 
 def _pack_plane(codes: torch.Tensor, width: int) -> torch.Tensor:
@@ -44,6 +62,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes (..., dim) integers in [0, 2^bits) -> (..., dim*bits/8) uint8."""
     record_bytes(codes.shape[-1], bits)
     planes = [_pack_plane((codes >> offset) & ((1 << width) - 1), width) for width, offset in PLANES[bits]]
+    if bits in SLICED:
+        planes = [_slice(plane, width) for plane, (width, _) in zip(planes, PLANES[bits])]
     return torch.cat(planes, dim=-1)
 
 
@@ -55,6 +75,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     start = 0
     for width, offset in PLANES[bits]:
         size = dim * width // 8
-        codes |= _unpack_plane(packed[..., start : start + size], width) << offset
+        plane = packed[..., start : start + size]
+        if bits in SLICED:
+            plane = _unslice(plane, width)
+        codes |= _unpack_plane(plane, width) << offset
         start += size
     return codes

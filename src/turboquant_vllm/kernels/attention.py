@@ -12,9 +12,10 @@ in exact integer MMAs; values decode to fp16.
 
 One program handles one tile of query tokens of one sequence, all query heads of one KV head
 (so each compressed byte is read once per KV head) and one split of the context. With more
-than one split, each writes its partials to the workspace. Decode over 4-bit keys and values (tq4) has its own
-kernel, _decode_kernel, in which each warp keeps its own softmax: 1.18-1.25x faster than the general kernel's
-decode (benchmarks/results/decode_kernel_session7.log).
+than one split, each writes its partials to the workspace. Decode has its own kernel, _decode_kernel, in which
+each warp keeps its own softmax: for tq4 1.18-1.25x faster than the general kernel's decode
+(benchmarks/results/decode_kernel_session7.log), for the 2- and 3-bit presets 1.04-1.25x
+(decode_kernel_session9.log); 5-bit keys stay in the general kernel (per_warp_decode).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, mma, next_pow2
+from .common import INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, mma, next_pow2, pair_index
 from .constants import kernel_constants
 from .rotation import merge_and_unrotate, rotate_queries
 from .store import check_cache, check_calibration
@@ -88,7 +89,8 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr, K_ASM: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    K_ASM: tl.constexpr, V_ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,10 +126,8 @@ def _attention_kernel(
     row_ok = (rows < BLOCK_Q * G_PAD) & (g < GROUP) & (q_idx < q_len)
     head = kv_head * GROUP + g
     token = q_start + q_idx
-    # Work on even and odd coordinates separately: that is how 4-bit codes share a byte.
+    # Work on even and odd coordinates separately: that is how codes share bytes (tiles hold common.pair_index).
     DH: tl.constexpr = D_PAD // 2
-    even = 2 * tl.arange(0, DH)
-    d_ok = row_ok[:, None] & (even[None, :] < HEAD_DIM)
     q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
     if K_BITS == 4:
         # 4-bit keys are int8 (kernels.common.load_int8_quads), so are the queries (_int8_query).
@@ -137,8 +137,10 @@ def _attention_kernel(
         qb = tl.load(q_row + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
         qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(qa, qb, k_step, SCORE_UNIT)
     else:
-        q_even = tl.load(q_row + even[None, :], mask=d_ok, other=0.0)
-        q_odd = tl.load(q_row + even[None, :] + 1, mask=d_ok, other=0.0)
+        q_col = 2 * pair_index(tl.arange(0, DH), K_BITS, HEAD_DIM)
+        q_ok = row_ok[:, None] & (q_col[None, :] < HEAD_DIM)
+        q_even = tl.load(q_row + q_col[None, :], mask=q_ok, other=0.0)
+        q_odd = tl.load(q_row + q_col[None, :] + 1, mask=q_ok, other=0.0)
     q_pos = ctx_len + q_idx  # absolute position of each row's query token
 
     last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -173,8 +175,8 @@ def _attention_kernel(
             s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
             s = (s.to(tl.float32) * q_gain[:, None] + q_half[:, None]) * k_norm[None, :]
         else:
-            k_even, k_odd = load_halves(cache_ptr, (page + off * K_CODE_BYTES)[:, None], n_ok[:, None], k_lut_ptr, ASM,
-                                        K_BITS, HEAD_DIM, D_PAD, BLOCK_N)
+            k_even, k_odd = load_halves(cache_ptr, (page + off * K_CODE_BYTES)[:, None], n_ok[:, None], k_lut_ptr,
+                                        K_ASM, K_BITS, HEAD_DIM, DH)
             s = mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
             s = mma(q_odd, tl.trans(k_odd), s, UPCAST) * (k_norm * SCORE_UNIT)[None, :]
         if USE_SOFTCAP:
@@ -195,7 +197,7 @@ def _attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p * inv_norm[None, :], axis=1)
         v_even, v_odd = load_halves(cache_ptr, (page + V_CODE_OFF + off * V_CODE_BYTES)[:, None], n_ok[:, None],
-                                     v_lut_ptr, ASM, V_BITS, HEAD_DIM, D_PAD, BLOCK_N)
+                                     v_lut_ptr, V_ASM, V_BITS, HEAD_DIM, DH)
         pv = p.to(tl.float16)
         acc_even = mma(pv, v_even, acc_even * alpha[:, None], UPCAST)
         acc_odd = mma(pv, v_odd, acc_odd * alpha[:, None], UPCAST)
@@ -203,6 +205,8 @@ def _attention_kernel(
 
     # Partials of this split; kernels.rotation merges the splits and leaves the rotated basis.
     out_rows = token[:, None] * NUM_Q_HEADS + head[:, None]
+    even = 2 * pair_index(tl.arange(0, DH), V_BITS, HEAD_DIM)
+    d_ok = row_ok[:, None] & (even[None, :] < HEAD_DIM)
     part = part_acc_ptr + (out_rows * NUM_SPLITS + split) * HEAD_DIM + even[None, :]
     tl.store(part, acc_even, mask=d_ok)
     tl.store(part + 1, acc_odd, mask=d_ok)
@@ -217,12 +221,15 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, WARP_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_CHUNKS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr,
+    V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, ASM: tl.constexpr, K_ASM: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    K_ASM: tl.constexpr, V_ASM: tl.constexpr,
 ):
-    """Decode (one query token per sequence) over 4-bit keys and values: each warp runs its own online softmax
-    over its own tokens, so the loop has no reduction across warps.
+    """Decode (one query token per sequence): each warp runs its own online softmax over its own tokens, so the
+    loop has no reduction across warps. 4-bit keys meet int8 queries in integer MMAs (as in _attention_kernel),
+    other widths fp16 queries.
 
     Tensors carry the warp as their leading axis, which Triton's batched MMA lays out one warp per batch entry.
     Scores are s = q K^T (query heads as rows, padded to ROWS >= 8), their row reductions stay inside a warp;
@@ -246,15 +253,23 @@ def _decode_kernel(
     row_ok = g < GROUP
     head = kv_head * GROUP + g
     q_row = q_ptr + token * stride_qt + head * stride_qh
-    quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
-    quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
-    qa = tl.load(q_row[:, None] + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
-    qb = tl.load(q_row[:, None] + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
-    qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(qa, qb, k_step, SCORE_UNIT)
-    qa_hi = tl.broadcast_to(qa_hi[None, :, :], (WARPS, ROWS, DH))  # every warp its own copy: batched MMA operands
-    qb_hi = tl.broadcast_to(qb_hi[None, :, :], (WARPS, ROWS, DH))
-    qa_lo = tl.broadcast_to(qa_lo[None, :, :], (WARPS, ROWS, DH))
-    qb_lo = tl.broadcast_to(qb_lo[None, :, :], (WARPS, ROWS, DH))
+    if K_BITS == 4:
+        quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
+        quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
+        qa = tl.load(q_row[:, None] + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
+        qb = tl.load(q_row[:, None] + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
+        qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(qa, qb, k_step, SCORE_UNIT)
+        qa_hi = tl.broadcast_to(qa_hi[None, :, :], (WARPS, ROWS, DH))  # every warp its own copy: batched MMA operands
+        qb_hi = tl.broadcast_to(qb_hi[None, :, :], (WARPS, ROWS, DH))
+        qa_lo = tl.broadcast_to(qa_lo[None, :, :], (WARPS, ROWS, DH))
+        qb_lo = tl.broadcast_to(qb_lo[None, :, :], (WARPS, ROWS, DH))
+    else:
+        q_col = 2 * pair_index(tl.arange(0, DH), K_BITS, HEAD_DIM)
+        q_ok = row_ok[:, None] & (q_col[None, :] < HEAD_DIM)
+        q_even = tl.load(q_row[:, None] + q_col[None, :], mask=q_ok, other=0.0)
+        q_odd = tl.load(q_row[:, None] + q_col[None, :] + 1, mask=q_ok, other=0.0)
+        q_even = tl.broadcast_to(q_even[None, :, :], (WARPS, ROWS, DH))
+        q_odd = tl.broadcast_to(q_odd[None, :, :], (WARPS, ROWS, DH))
 
     kv_lo = 0
     if USE_WINDOW:
@@ -281,11 +296,17 @@ def _decode_kernel(
         off = n % BLOCK_SIZE
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
-        ka, kb = load_int8_quads(cache_ptr, (page + off * K_CODE_BYTES)[:, None, :], n_ok[:, None, :], k_lut_ptr,
-                                 K_ASM, HEAD_DIM, D_PAD, AXIS=1)
-        s = _int_mma(qb_hi, kb, _int_mma(qa_hi, ka, tl.zeros((WARPS, ROWS, WARP_N), tl.int32), UPCAST), UPCAST)
-        s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
-        s = (s.to(tl.float32) * q_gain[None, :, None] + q_half[None, :, None]) * k_norm[:, None, :]
+        k_rec = (page + off * K_CODE_BYTES)[:, None, :]
+        if K_BITS == 4:
+            ka, kb = load_int8_quads(cache_ptr, k_rec, n_ok[:, None, :], k_lut_ptr, K_ASM, HEAD_DIM, D_PAD, AXIS=1)
+            s = _int_mma(qb_hi, kb, _int_mma(qa_hi, ka, tl.zeros((WARPS, ROWS, WARP_N), tl.int32), UPCAST), UPCAST)
+            s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
+            s = (s.to(tl.float32) * q_gain[None, :, None] + q_half[None, :, None]) * k_norm[:, None, :]
+        else:
+            k_even, k_odd = load_halves(cache_ptr, k_rec, n_ok[:, None, :], k_lut_ptr, K_ASM, K_BITS, HEAD_DIM, DH,
+                                        AXIS=1)
+            s = mma(q_even, k_even, tl.zeros((WARPS, ROWS, WARP_N), tl.float32), UPCAST)
+            s = mma(q_odd, k_odd, s, UPCAST) * (k_norm * SCORE_UNIT)[:, None, :]
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E  # softcap * tanh(s / softcap)
         v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
@@ -300,13 +321,13 @@ def _decode_kernel(
         alpha = alpha[:, None, :]  # per acc^T column
         pt = tl.trans(p.to(tl.float16), (0, 2, 1))
         v_rec = (page + V_CODE_OFF + off * V_CODE_BYTES)[:, None, :]
-        v_even, v_odd = load_halves(cache_ptr, v_rec, n_ok[:, None, :], v_lut_ptr, ASM, 4, HEAD_DIM, 2 * DC, WARP_N,
+        v_even, v_odd = load_halves(cache_ptr, v_rec, n_ok[:, None, :], v_lut_ptr, V_ASM, V_BITS, HEAD_DIM, DC,
                                     AXIS=1)
         acc_e0 = mma(v_even, pt, acc_e0 * alpha, UPCAST)
         acc_o0 = mma(v_odd, pt, acc_o0 * alpha, UPCAST)
-        if V_CHUNKS == 2:  # coordinates 2 DC.. read as records of HEAD_DIM - 2 DC coordinates starting DC bytes in
-            v_even, v_odd = load_halves(cache_ptr, v_rec + DC, n_ok[:, None, :], v_lut_ptr, ASM, 4, HEAD_DIM - 2 * DC,
-                                        2 * DC, WARP_N, AXIS=1)
+        if V_CHUNKS == 2:  # coordinate pairs DC ..
+            v_even, v_odd = load_halves(cache_ptr, v_rec, n_ok[:, None, :], v_lut_ptr, V_ASM, V_BITS, HEAD_DIM, DC,
+                                        J0=DC, AXIS=1)
             acc_e1 = mma(v_even, pt, acc_e1 * alpha, UPCAST)
             acc_o1 = mma(v_odd, pt, acc_o1 * alpha, UPCAST)
         m_i = m_new
@@ -316,15 +337,16 @@ def _decode_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(m_i - m_safe[None, :])
     out_rows = token * NUM_Q_HEADS + head
-    even = 2 * tl.arange(0, DC)
-    part = part_acc_ptr + (out_rows[None, :] * NUM_SPLITS + split) * HEAD_DIM + even[:, None]
+    part = part_acc_ptr + (out_rows[None, :] * NUM_SPLITS + split) * HEAD_DIM
+    even = 2 * pair_index(tl.arange(0, DC), V_BITS, HEAD_DIM)
     ok = (even[:, None] < HEAD_DIM) & row_ok[None, :]
-    tl.store(part, tl.sum(acc_e0 * w[:, None, :], axis=0), mask=ok)
-    tl.store(part + 1, tl.sum(acc_o0 * w[:, None, :], axis=0), mask=ok)
+    tl.store(part + even[:, None], tl.sum(acc_e0 * w[:, None, :], axis=0), mask=ok)
+    tl.store(part + even[:, None] + 1, tl.sum(acc_o0 * w[:, None, :], axis=0), mask=ok)
     if V_CHUNKS == 2:
-        ok = (even[:, None] + 2 * DC < HEAD_DIM) & row_ok[None, :]
-        tl.store(part + 2 * DC, tl.sum(acc_e1 * w[:, None, :], axis=0), mask=ok)
-        tl.store(part + 2 * DC + 1, tl.sum(acc_o1 * w[:, None, :], axis=0), mask=ok)
+        even = 2 * pair_index(DC + tl.arange(0, DC), V_BITS, HEAD_DIM)
+        ok = (even[:, None] < HEAD_DIM) & row_ok[None, :]
+        tl.store(part + even[:, None], tl.sum(acc_e1 * w[:, None, :], axis=0), mask=ok)
+        tl.store(part + even[:, None] + 1, tl.sum(acc_o1 * w[:, None, :], axis=0), mask=ok)
     ml = part_ml_ptr + out_rows * (2 * NUM_SPLITS) + split
     tl.store(ml, m, mask=row_ok)
     tl.store(ml + NUM_SPLITS, tl.sum(l_i * w, axis=0), mask=row_ok)
@@ -336,12 +358,23 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_
     return max(1, min(32, next_pow2(math.ceil(2 * num_sms / programs))))
 
 
+def per_warp_decode(layout: CacheLayout) -> bool:
+    """Decode runs _decode_kernel except over 5-bit keys: their table gathers made k5v4 1.8x slower there than in
+    the general kernel (benchmarks/results/decode_kernel_session9.log)."""
+    return layout.preset.k_bits != 5
+
+
 def decode_max_registers(layout: CacheLayout) -> int:
-    """tq4 decode at head_dim <= 128: 128 registers (4 blocks per SM instead of 3) are 1.04x faster with
-    _decode_kernel at head_dim 128, neutral at 64, and 2.6x slower at 256 (decode_kernel_session7.log); the general
-    kernel's other presets lose with it (decode_kernel_registers.log)."""
-    tq4 = layout.preset.k_bits == 4 and layout.preset.v_bits == 4
-    return 128 if tq4 and layout.head_dim <= 128 else 0
+    """Registers per thread for decode, where measured to pay (0: the compiler's choice). tq4 at head_dim <= 128:
+    128 (4 blocks per SM instead of 3): 1.04x faster at head_dim 128, neutral at 64, 2.6x slower at 256
+    (decode_kernel_session7.log). The narrower presets in _decode_kernel at head_dim 65..128: 168 (3 blocks per SM),
+    1.05-1.08x faster than uncapped, while 128 spills (decode_kernel_session9.log). The general kernel loses with
+    any cap (decode_kernel_registers.log)."""
+    if not per_warp_decode(layout):
+        return 0
+    if layout.preset.k_bits == 4 and layout.preset.v_bits == 4:
+        return 128 if layout.head_dim <= 128 else 0
+    return 168 if next_pow2(layout.head_dim) == 128 else 0
 
 
 def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:
@@ -419,17 +452,17 @@ def paged_attention(
         BLOCK_SIZE=layout.block_size, K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
-        ASM="" if INTERPRETED else c.nibble_asm, K_ASM="" if INTERPRETED else c.key_int8_asm,
+        K_ASM="" if INTERPRETED else c.key_mma_asm, V_ASM="" if INTERPRETED else c.value_lookup_asm,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )
     k_table = c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16]
     strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
-    if decode_only and layout.preset.k_bits == 4 and layout.preset.v_bits == 4:
+    if decode_only and per_warp_decode(layout):
         _decode_kernel[(num_seqs, layout.num_kv_heads, num_splits)](
             q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
             part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
             ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, V_CHUNKS=2 if head_dim > 64 else 1,
-            **common,
+            K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits, **common,
         )
     else:
         grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs

@@ -14,15 +14,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def plane_bytes_to_codes(packed, ROWS: tl.constexpr, PLANE_BYTES: tl.constexpr, WIDTH: tl.constexpr):
-    """(ROWS, PLANE_BYTES) uint8 -> (ROWS, PLANE_BYTES * 8 / WIDTH) int32 codes, natural order."""
-    PER_BYTE: tl.constexpr = 8 // WIDTH
-    shifts = tl.arange(0, PER_BYTE) * WIDTH
-    codes = (packed.to(tl.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << WIDTH) - 1)
-    return tl.reshape(codes, (ROWS, PLANE_BYTES * PER_BYTE))
-
-
-@triton.jit
 def codes_to_plane_bytes(codes, ROWS: tl.constexpr, DIM: tl.constexpr, WIDTH: tl.constexpr):
     """(ROWS, DIM) int32 codes < 2^WIDTH -> (ROWS, DIM * WIDTH / 8) uint8, natural order."""
     PER_BYTE: tl.constexpr = 8 // WIDTH
@@ -49,34 +40,61 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-def nibble_lookup_asm(magnitudes_fp16: list[int]) -> str:
-    """PTX that turns 4 bytes of 4-bit sign-magnitude codes into 8 fp16 values with byte permutes.
+# PTX that regroups 2- and 3-bit codes into the 4-bit lookup's bytes: sign (bit BITS - 1 of a code, core.codebook)
+# on bit 3 of a nibble, magnitude index in bits 0..2; one nibble per coordinate, even coordinates low. $4: each
+# byte holds a pair's low-plane bits (2 bits per coordinate), $5: the pair's top bits (3 bits: the signs) in bits 0..1.
+# lop3 0xF8 is a | (b & c).
+_REGROUP = {
+    2: """and.b32 w, $4, 0x01010101;
+    shl.b32 x, $4, 2;
+    lop3.b32 w, w, x, 0x18181818, 0xF8;
+    shl.b32 x, $4, 4;
+    lop3.b32 w, w, x, 0x80808080, 0xF8;""",
+    3: """and.b32 w, $4, 0x03030303;
+    shl.b32 x, $4, 2;
+    lop3.b32 w, w, x, 0x30303030, 0xF8;
+    shl.b32 x, $5, 3;
+    lop3.b32 w, w, x, 0x08080808, 0xF8;
+    shl.b32 x, $5, 6;
+    lop3.b32 w, w, x, 0x80808080, 0xF8;""",
+    4: "mov.b32 w, $4;",
+}
 
-    The 8 magnitudes live in registers as a low-byte table and a high-byte table; one prmt looks
-    up 4 codes' low bytes, one their high bytes. The sign bit of each code is moved onto bit 7 of
-    its high byte (one prmt of the word and the word << 4, one lop3 per 4 codes), and two prmts
-    interleave low and high bytes into fp16 pairs. 16 integer ops per 8 values, no memory access.
-    Outputs: $0, $1 = values of the low nibbles (even coordinates) of bytes 0..3, $2, $3 = values
-    of the high nibbles (odd coordinates); $4 = the 4 input bytes.
+
+def nibble_lookup_asm(magnitudes_fp16: list[int], bits: int = 4) -> str:
+    """PTX that turns 4 bytes of codes (a coordinate pair each) into 8 fp16 values with byte permutes; "" for widths
+    it does not cover (5 bits: a 16-entry table does not fit a byte permute's 8).
+
+    4 bits: byte = 2 sign-magnitude nibbles. 2 and 3 bits: _REGROUP builds those nibbles from the planes first.
+    The (up to) 8 magnitudes live in registers as a low-byte table and a high-byte table; one prmt looks up 4
+    codes' low bytes, one their high bytes. The sign bit of each code is moved onto bit 7 of its high byte (one
+    prmt of the word and the word << 4, one lop3 per 4 codes), and two prmts interleave low and high bytes into
+    fp16 pairs. 16 integer ops per 8 values after the regroup, no memory access.
+    Outputs: $0, $1 = values of the even coordinates of bytes 0..3, $2, $3 = of the odd coordinates; inputs: $4 =
+    the 4 bytes, $5 (3 bits: the 4 pairs' top bits; ignored otherwise).
     """
-    lo = [m & 0xFF for m in magnitudes_fp16]
-    hi = [m >> 8 for m in magnitudes_fp16]
+    if bits not in _REGROUP:
+        return ""
+    mags = list(magnitudes_fp16) + [0] * (8 - len(magnitudes_fp16))
+    lo = [m & 0xFF for m in mags]
+    hi = [m >> 8 for m in mags]
     word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
     # Byte i of sa / sb is the high byte of code i (codes 0..3 / 4..7), its bit 7 that code's sign bit.
     return f"""{{
-    .reg .b32 tl0, tl1, th0, th1, sa, sb, w4, la, ha, lb, hb;
+    .reg .b32 tl0, tl1, th0, th1, sa, sb, w, x, w4, la, ha, lb, hb;
+    {_REGROUP[bits]}
     mov.b32 tl0, {word(lo[:4]):#x}; mov.b32 tl1, {word(lo[4:]):#x};
     mov.b32 th0, {word(hi[:4]):#x}; mov.b32 th1, {word(hi[4:]):#x};
-    and.b32 sa, $4, 0x7777;
-    shr.u32 sb, $4, 16;
+    and.b32 sa, w, 0x7777;
+    shr.u32 sb, w, 16;
     and.b32 sb, sb, 0x7777;
     prmt.b32 la, tl0, tl1, sa;
     prmt.b32 ha, th0, th1, sa;
     prmt.b32 lb, tl0, tl1, sb;
     prmt.b32 hb, th0, th1, sb;
-    shl.b32 w4, $4, 4;
-    prmt.b32 sa, $4, w4, 0x1504;
-    prmt.b32 sb, $4, w4, 0x3726;
+    shl.b32 w4, w, 4;
+    prmt.b32 sa, w, w4, 0x1504;
+    prmt.b32 sb, w, w4, 0x3726;
     lop3.b32 ha, ha, sa, 0x80808080, 0x78;
     lop3.b32 hb, hb, sb, 0x80808080, 0x78;
     prmt.b32 $0, la, ha, 0x6240;
@@ -136,49 +154,70 @@ def load_int8_quads(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr, HEAD
 
 
 @triton.jit
-def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr,
-                 BITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 AXIS: tl.constexpr = -1):
-    """Values of the records at rec_base as (even coordinates, odd coordinates), fp16 (..., D_PAD/2) for rec_base
-    and valid of shape (..., 1); AXIS=1 as in load_int8_quads. 4 and 5 bits take any rank and AXIS, the other widths
-    (BLOCK_N, 1) only (their planes reshape)."""
-    DH: tl.constexpr = D_PAD // 2
-    j = tl.arange(0, DH)  # byte j of the 4-bit codes (or of the 5-bit codes' low plane): coordinates 2j, 2j + 1
+def pair_index(t, BITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The coordinate pair p (coordinates 2p, 2p + 1) that element t of a load_halves tile holds. 4 and 5 bits
+    (a byte of low bits per pair): p = t. 2 and 3 bits store their planes byte-sliced over groups of 8 coordinates
+    (core.packing), and element t holds p = 4 (t % Q) + t // Q, Q = HEAD_DIM / 8: then Q consecutive elements read
+    Q consecutive bytes of each plane at one shift (loads the compiler can vectorize and pipeline). Elements past
+    HEAD_DIM / 2 stay past it (p = t)."""
+    if BITS >= 4:
+        p = t
+    else:
+        Q: tl.constexpr = HEAD_DIM // 8
+        p = tl.where(t < HEAD_DIM // 2, 4 * (t % Q) + t // Q, t)
+    return p
+
+
+@triton.jit
+def load_halves(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr, BITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                PAIRS: tl.constexpr, J0: tl.constexpr = 0, AXIS: tl.constexpr = -1):
+    """Values of the coordinate pairs pair_index(J0 .. J0 + PAIRS - 1) of the records at rec_base as (even
+    coordinates, odd coordinates), fp16 (..., PAIRS) for rec_base and valid of shape (..., 1); AXIS=1 as in
+    load_int8_quads. Elements past HEAD_DIM / 2 decode as code 0. ASM: nibble_lookup_asm for BITS ("": table
+    gathers)."""
+    tl.static_assert(BITS >= 2 and BITS <= 5, "codes of 2 to 5 bits")
+    j = J0 + tl.arange(0, PAIRS)
     if AXIS == 1:
         j = j[:, None]
+    ok = valid & (j < HEAD_DIM // 2)
     # One if / elif chain, no early return: Triton compiles the code after a return in a constexpr branch too.
     if BITS == 4:  # byte j holds coordinates 2j (low nibble) and 2j+1 (high nibble)
-        packed = tl.load(cache_ptr + rec_base + j, mask=valid & (j < HEAD_DIM // 2), other=0)
+        packed = tl.load(cache_ptr + rec_base + j, mask=ok, other=0)
         if ASM != "":
             even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
                                                   is_pure=True, pack=4)
         else:
             even = tl.load(lut_ptr + (packed & 15).to(tl.int32))
             odd = tl.load(lut_ptr + (packed >> 4).to(tl.int32))
-    elif BITS == 5:  # the low 4 bits as 4-bit codes (byte j: coordinates 2j, 2j+1), then the sign plane
-        ok = valid & (j < HEAD_DIM // 2)
+    elif BITS == 5:  # the low 4 bits as 4-bit codes (byte j), then the top plane: byte j // 4, bits 2 (j % 4), + 1
         low = tl.load(cache_ptr + rec_base + j, mask=ok, other=0).to(tl.int32)
-        # The sign byte of coordinates 2j, 2j+1 is read once per pair (L1 hits): no reshape of code planes.
-        sign = tl.load(cache_ptr + rec_base + HEAD_DIM // 2 + j // 4, mask=ok, other=0).to(tl.int32)
-        sign = sign >> (2 * (j % 4))
-        even = tl.load(lut_ptr + ((low & 15) | ((sign & 1) << 4)))
-        odd = tl.load(lut_ptr + ((low >> 4) | ((sign & 2) << 3)))
-    elif BITS == 3:  # two planes: the low 2 bits, then the sign bit (see core.packing)
-        tl.static_assert(AXIS == -1, "3-bit planes load as (BLOCK_N, bytes) only")
-        LOW: tl.constexpr = BITS - 1
-        jl = tl.arange(0, D_PAD * LOW // 8)
-        lo = tl.load(cache_ptr + rec_base + jl, mask=valid & (jl < HEAD_DIM * LOW // 8), other=0)
-        jh = tl.arange(0, D_PAD // 8)
-        hi = tl.load(cache_ptr + rec_base + HEAD_DIM * LOW // 8 + jh, mask=valid & (jh < HEAD_DIM // 8), other=0)
-        code = (plane_bytes_to_codes(lo, BLOCK_N, D_PAD * LOW // 8, LOW)
-                | (plane_bytes_to_codes(hi, BLOCK_N, D_PAD // 8, 1) << LOW))
-        even, odd = tl.split(tl.reshape(tl.load(lut_ptr + code), (BLOCK_N, DH, 2)))
+        top = tl.load(cache_ptr + rec_base + HEAD_DIM // 2 + j // 4, mask=ok, other=0).to(tl.int32)  # L1 hits
+        top = top >> (2 * (j % 4))
+        even = tl.load(lut_ptr + ((low & 15) | ((top & 1) << 4)))  # 16 magnitudes: no byte-permute lookup
+        odd = tl.load(lut_ptr + ((low >> 4) | ((top & 2) << 3)))
     else:
-        tl.static_assert(AXIS == -1, "bit planes load as (BLOCK_N, bytes) only")
-        jb = tl.arange(0, D_PAD * BITS // 8)
-        packed = tl.load(cache_ptr + rec_base + jb, mask=valid & (jb < HEAD_DIM * BITS // 8), other=0)
-        code = plane_bytes_to_codes(packed, BLOCK_N, D_PAD * BITS // 8, BITS)
-        even, odd = tl.split(tl.reshape(tl.load(lut_ptr + code), (BLOCK_N, DH, 2)))
+        # Element j holds pair k = j // Q of group g = j % Q of 8 coordinates (pair_index). Byte-sliced planes
+        # (core.packing): its low bits are nibble k % 2 of byte k // 2 of group g (2 bits a coordinate), its top
+        # bits (3 bits: the signs) field k of the top plane's byte g.
+        Q: tl.constexpr = HEAD_DIM // 8
+        g = j % Q
+        k = j // Q
+        low = (tl.load(cache_ptr + rec_base + (k // 2) * Q + g, mask=ok, other=0) >> (4 * (k % 2))).to(tl.uint8)
+        top = low
+        if BITS == 3:
+            top = tl.load(cache_ptr + rec_base + HEAD_DIM // 4 + g, mask=ok, other=0)
+            top = (top >> (2 * k)).to(tl.uint8)
+        if ASM != "":
+            even, odd = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r", [low, top],
+                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            code_even = (low & 3).to(tl.int32)
+            code_odd = ((low >> 2) & 3).to(tl.int32)
+            if BITS == 3:
+                code_even |= (top & 1).to(tl.int32) << 2
+                code_odd |= ((top >> 1) & 1).to(tl.int32) << 2
+            even = tl.load(lut_ptr + code_even)
+            odd = tl.load(lut_ptr + code_odd)
     return even, odd
 
 

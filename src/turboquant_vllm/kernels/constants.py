@@ -20,10 +20,16 @@ class KernelConstants:
     value_boundaries: torch.Tensor
     key_values: dict  # dtype -> (2^k_bits,) code values
     value_values: dict
-    nibble_asm: str  # PTX lookup of 4-bit codes (kernels.common.nibble_lookup_asm)
+    key_lookup_asm: str  # PTX lookup of the key codes as fp16 (kernels.common.nibble_lookup_asm; "" for 5 bits)
+    value_lookup_asm: str
     key_int8: torch.Tensor | None  # 4-bit keys: (16,) int8 t per code, standing for (t + 1/2) * key_int8_step
     key_int8_step: float
     key_int8_asm: str  # PTX lookup of 4-bit key codes as int8 (kernels.common.nibble_int8_asm)
+
+    @property
+    def key_mma_asm(self) -> str:
+        """The attention kernels' key decode: int8 for 4-bit keys (exact integer MMAs), fp16 otherwise."""
+        return self.key_int8_asm or self.key_lookup_asm
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +47,8 @@ def _constants(k_bits: int, v_bits: int, head_dim: int, device: torch.device) ->
         pad(vq.boundaries(device)),
         {dt: kq.code_values(device, dt) for dt in dtypes},
         {dt: vq.code_values(device, dt) for dt in dtypes},
-        nibble_lookup_asm(_fp16_bits(Quantizer(4, head_dim).codebook.magnitudes)),
+        nibble_lookup_asm(_fp16_bits(kq.codebook.magnitudes), k_bits),
+        nibble_lookup_asm(_fp16_bits(vq.codebook.magnitudes), v_bits),
         *_key_int8(kq, device),
     )
 

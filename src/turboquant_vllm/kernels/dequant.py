@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import INTERPRETED, check_dtype, check_index, load_halves, mma, next_pow2, round_to
+from .common import INTERPRETED, check_dtype, check_index, load_halves, mma, next_pow2, pair_index, round_to
 from .constants import kernel_constants
 from .store import check_cache
 
@@ -31,9 +31,9 @@ def _expand(cache_ptr, page, off, n_ok, lut_ptr, rot_ptr, scale_ptr, out_ptr, ro
             BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, INTERPRET: tl.constexpr):
     """out[row] = (norm * value[code]) @ R (times the key scale if SCALED) for BLOCK_N records."""
     even, odd = load_halves(cache_ptr, (page + CODE_OFF + off * CODE_BYTES)[:, None], n_ok[:, None], lut_ptr,
-                            ASM, BITS, HEAD_DIM, D_PAD, BLOCK_N)
+                            ASM, BITS, HEAD_DIM, D_PAD // 2)
     norm = tl.load((cache_ptr + page + NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
-    i = tl.arange(0, D_PAD // 2)
+    i = pair_index(tl.arange(0, D_PAD // 2), BITS, HEAD_DIM)  # the pair of coordinates even / odd hold
     for j0 in tl.static_range(0, D_PAD, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         ok = (2 * i[:, None] < HEAD_DIM) & (j[None, :] < HEAD_DIM)  # padded coordinates decode to code 0's value
@@ -56,7 +56,7 @@ def _dequant_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr,
     V_CODE_BYTES: tl.constexpr, K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
-    CALIBRATED: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    CALIBRATED: tl.constexpr, K_ASM: tl.constexpr, V_ASM: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -71,9 +71,9 @@ def _dequant_kernel(
     off = n % BLOCK_SIZE
     row = tl.load(cu_k_ptr + seq) + n
     _expand(cache_ptr, page, off, n_ok, k_lut_ptr, rot_ptr, key_scale_ptr, k_out_ptr, row, head, stride_ot, stride_oh,
-            CALIBRATED, ASM, K_BITS, 0, K_CODE_BYTES, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_J, INTERPRET)
+            CALIBRATED, K_ASM, K_BITS, 0, K_CODE_BYTES, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_J, INTERPRET)
     _expand(cache_ptr, page, off, n_ok, v_lut_ptr, rot_ptr, key_scale_ptr, v_out_ptr, row, head, stride_ot, stride_oh,
-            False, ASM, V_BITS, V_CODE_OFF, V_CODE_BYTES, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_J, INTERPRET)
+            False, V_ASM, V_BITS, V_CODE_OFF, V_CODE_BYTES, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_J, INTERPRET)
 
 
 def dequantize_pages(
@@ -113,7 +113,8 @@ def dequantize_pages(
         K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
         K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
-        CALIBRATED=key_calibration is not None, ASM="" if INTERPRETED else c.nibble_asm, INTERPRET=INTERPRETED,
+        CALIBRATED=key_calibration is not None, K_ASM="" if INTERPRETED else c.key_lookup_asm,
+        V_ASM="" if INTERPRETED else c.value_lookup_asm, INTERPRET=INTERPRETED,
         num_warps=4,
     )
     return k, v

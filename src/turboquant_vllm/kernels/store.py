@@ -17,14 +17,20 @@ from .common import check_dtype, check_index, codes_to_plane_bytes, next_pow2
 from .constants import kernel_constants
 from .rotation import matrix_rows
 
+STORE_LARGE_BATCH = 1024  # tokens from which a store launch takes larger tiles (store_block_tokens)
+
 
 @triton.jit
-def _store_plane(cache_ptr, base, valid, code, PLANE_START: tl.constexpr, WIDTH: tl.constexpr,
+def _store_plane(cache_ptr, base, valid, code, PLANE_START: tl.constexpr, WIDTH: tl.constexpr, SLICED: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Pack the codes (< 2^WIDTH) of BLOCK_T records and store them at their plane's bytes."""
+    """Pack the codes (< 2^WIDTH) of BLOCK_T records and store them at their plane's bytes (SLICED: byte r of
+    group g of 8 coordinates at r * HEAD_DIM / 8 + g, see core.packing)."""
     packed = codes_to_plane_bytes(code, BLOCK_T, D_PAD, WIDTH)
     j = tl.arange(0, D_PAD * WIDTH // 8)
-    tl.store(cache_ptr + base[:, None] + PLANE_START + j[None, :], packed,
+    at = j
+    if SLICED:
+        at = (j % WIDTH) * (HEAD_DIM // 8) + j // WIDTH
+    tl.store(cache_ptr + base[:, None] + PLANE_START + at[None, :], packed,
              mask=valid[:, None] & (j[None, :] < HEAD_DIM * WIDTH // 8))
 
 
@@ -63,12 +69,14 @@ def _quantize_and_store(
     recon = tl.where(d_ok, tl.load(values_ptr + code), 0.0)
     norm = norm / tl.sqrt(tl.maximum(tl.sum(recon * recon, axis=1), 1e-30))  # skipped rows: any finite value
     base = page_base + CODE_OFF + slot_off * CODE_BYTES  # (BLOCK_T,)
-    if BITS == 3 or BITS == 5:  # two planes: the low BITS - 1 bits, then the sign bit (see core.packing)
+    # Two planes for 3 and 5 bits: the low BITS - 1 bits, then the sign bit; 2- and 3-bit planes byte-sliced
+    # (core.packing.SLICED).
+    if BITS == 3 or BITS == 5:
         LOW: tl.constexpr = BITS - 1
-        _store_plane(cache_ptr, base, valid, code & ((1 << LOW) - 1), 0, LOW, HEAD_DIM, D_PAD, BLOCK_T)
-        _store_plane(cache_ptr, base, valid, code >> LOW, HEAD_DIM * LOW // 8, 1, HEAD_DIM, D_PAD, BLOCK_T)
+        _store_plane(cache_ptr, base, valid, code & ((1 << LOW) - 1), 0, LOW, BITS == 3, HEAD_DIM, D_PAD, BLOCK_T)
+        _store_plane(cache_ptr, base, valid, code >> LOW, HEAD_DIM * LOW // 8, 1, False, HEAD_DIM, D_PAD, BLOCK_T)
     else:
-        _store_plane(cache_ptr, base, valid, code, 0, BITS, HEAD_DIM, D_PAD, BLOCK_T)
+        _store_plane(cache_ptr, base, valid, code, 0, BITS, BITS == 2, HEAD_DIM, D_PAD, BLOCK_T)
     norm_ptr = (cache_ptr + page_base + NORM_OFF + slot_off * 4).to(tl.pointer_type(tl.float32))
     tl.store(norm_ptr, norm, mask=valid)
 
@@ -116,12 +124,19 @@ def check_calibration(key_calibration: KeyCalibration, layout: CacheLayout) -> N
                          f"for {expected}")
 
 
+def store_block_tokens(num_tokens: int) -> int:
+    """Tokens per program: 16 keep a decode step's few tokens spread over many programs; prefill-sized batches take
+    64, so each program reads R (d x d fp32) once for 4x the tokens."""
+    return 16 if num_tokens < STORE_LARGE_BATCH else 64
+
+
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: CacheLayout,
-    key_calibration: KeyCalibration | None = None,
+    key_calibration: KeyCalibration | None = None, block_t: int | None = None, num_warps: int = 8,
 ) -> None:
     """Quantize key/value (tokens, kv_heads, head_dim) into their slots of the paged cache (-1: skip);
-    with a key calibration, the keys (key - mean) / scale (see core.calibration)."""
+    with a key calibration, the keys (key - mean) / scale (see core.calibration). block_t: tokens per program
+    (None: store_block_tokens)."""
     expected = (key.shape[0], layout.num_kv_heads, layout.head_dim)
     if tuple(key.shape) != expected or tuple(value.shape) != expected:
         raise ValueError(f"key and value must have shape {expected}, got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -140,7 +155,7 @@ def store_kv(
         check_calibration(key_calibration, layout)
     c = kernel_constants(layout, key.device)
     mean, scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (c.rotation, c.rotation)
-    block_t = 16  # small tiles: a decode step's few tokens still spread over many programs
+    block_t = block_t or store_block_tokens(num_tokens)
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
     _store_kv_kernel[grid](
         key, value, c.rotation, mean, scale, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,
@@ -151,5 +166,5 @@ def store_kv(
         BLOCK_SIZE=layout.block_size, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
         K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
         K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
-        num_warps=8,  # 4 spill the 3xTF32 operands of the rotation
+        num_warps=num_warps,  # 8: 4 spill the 3xTF32 operands of the rotation
     )
