@@ -4,10 +4,12 @@ A Llama-shaped model with random weights (16 layers, hidden 2048, 16 query / 4 K
 head_dim 128), gpu_memory_utilization 0.85, full CUDA graphs for decode, no prefix caching.
 Decode tok/s = requests x (generated - 1) / (time of the full run - time of a prefill-only run),
 the median over --repeats pairs; --at-limit CONTEXT adds requests/s with as many CONTEXT-token
-requests as the KV cache holds.
+requests as the KV cache holds, each generating --at-limit-generate tokens (128: a prefill-bound load; ~1024 and up:
+a decode-bound one, where the tokens a cache holds count).
 Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
 
-    python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192] [--heads 32/8]
+    python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192 [--at-limit-generate N]]
+                             [--heads 32/8]
 Writes benchmarks/results/e2e.{json,md,png} (e2e_32q8kv.* for --heads 32/8).
 """
 
@@ -53,7 +55,8 @@ GENERATED = 128
 MAX_SEQS_AT_LIMIT = 2048
 
 
-def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int) -> dict:
+def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int,
+           at_limit_generate: int = GENERATED) -> dict:
     """Runs inside a fresh process: one engine, every measurement for this KV cache."""
     import random
     import statistics
@@ -62,7 +65,8 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
 
     backend, dtype, _ = KV[kv]
     longest = max([c for _, c in runs] + [at_limit])
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=longest + GENERATED + 8,
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=longest + max(GENERATED, at_limit_generate) + 8,
               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, kv_cache_dtype=dtype,
               max_num_seqs=MAX_SEQS_AT_LIMIT if at_limit else max(b for b, _ in runs),
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
@@ -94,9 +98,10 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
         row[f"decode_tok_s_{batch}x{context // 1024}k"] = batch * (GENERATED - 1) / decode
         row[f"prefill_tok_s_{batch}x{context // 1024}k"] = batch * context / prefill
     if at_limit:  # as many requests as the cache holds, all at once
-        n = min(row["kv_tokens"] // (at_limit + GENERATED), MAX_SEQS_AT_LIMIT)
-        seconds = timed(random_prompts(n, at_limit), GENERATED)
-        row.update(at_limit_requests=n, at_limit_req_s=n / seconds, at_limit_output_tok_s=n * GENERATED / seconds)
+        n = min(row["kv_tokens"] // (at_limit + at_limit_generate), MAX_SEQS_AT_LIMIT)
+        seconds = timed(random_prompts(n, at_limit), at_limit_generate)
+        row.update(at_limit_requests=n, at_limit_req_s=n / seconds, at_limit_generated=at_limit_generate,
+                   at_limit_output_tok_s=n * at_limit_generate / seconds)
     return row
 
 
@@ -108,6 +113,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="prefill-only / full run pairs per shape (median)")
     ap.add_argument("--at-limit", type=int, default=0, metavar="CONTEXT",
                     help="also serve as many CONTEXT-token requests as the cache holds, at once (e.g. 8192)")
+    ap.add_argument("--at-limit-generate", type=int, default=GENERATED, metavar="N",
+                    help="tokens each memory-limit request generates")
     ap.add_argument("--heads", default="16/4", help="query / KV heads of the model (16/4: the kit's reference shape; "
                     "others write e2e_<Q>q<KV>kv.*)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in the results")
@@ -116,7 +123,8 @@ def main() -> None:
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
     if args.child:
         kv, model_dir = args.child.split(":", 1)
-        print("E2E_ROW " + json.dumps(engine(kv, model_dir, runs, args.repeats, args.at_limit)), flush=True)
+        row = engine(kv, model_dir, runs, args.repeats, args.at_limit, args.at_limit_generate)
+        print("E2E_ROW " + json.dumps(row), flush=True)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +138,8 @@ def main() -> None:
         for kv in args.kv.split(","):
             env = dict(os.environ, **KV[kv][2])
             cmd = [sys.executable, __file__, "--runs", args.runs, "--repeats", str(args.repeats),
-                   "--at-limit", str(args.at_limit), "--child", f"{kv}:{model_dir}"]
+                   "--at-limit", str(args.at_limit), "--at-limit-generate", str(args.at_limit_generate),
+                   "--child", f"{kv}:{model_dir}"]
             row = child_row(cmd, env, out / f"{stem}_{kv}.log", "E2E_ROW")
             if row is None:
                 continue
@@ -175,7 +184,9 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
     for r in rows:
         runs_by.setdefault(r.get("command", "unrecorded"), []).append(r["kv"])
     measured = "\n".join(f"- {', '.join(kvs)}: `{cmd}`" for cmd, kvs in runs_by.items())
-    (out / f"{stem}.md").write_text(f"Llama shape with random weights: {shape}.\n\n" + "\n".join(lines)
+    loads = sorted({r["at_limit_generated"] for r in rows if r.get("at_limit_generated")})
+    load = f"\n\nMemory-limit load: {' / '.join(map(str, loads))} tokens generated per request." if loads else ""
+    (out / f"{stem}.md").write_text(f"Llama shape with random weights: {shape}.\n\n" + "\n".join(lines) + load
                                     + f"\n\nMeasured by:\n{measured}\n")
     print("\n".join(lines))
     import matplotlib

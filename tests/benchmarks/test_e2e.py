@@ -19,7 +19,7 @@ def test_model_shapes():
 def test_write_tables_ratios_and_plot(tmp_path):
     rows = [dict(kv="bf16", kv_tokens=1000, decode_tok_s_64x8k=100.0, prefill_tok_s_64x8k=50.0, command="run A"),
             dict(kv="tq4", kv_tokens=3760, decode_tok_s_64x8k=120.0, prefill_tok_s_64x8k=40.0, at_limit_req_s=2.5,
-                 command="run B")]
+                 at_limit_generated=1024, command="run B")]
     model, stem = e2e.model_config("32/8")
     e2e.write(rows, tmp_path, "64x8192", model, stem)
     data = json.loads((tmp_path / "e2e_32q8kv.json").read_text())
@@ -28,4 +28,5 @@ def test_write_tables_ratios_and_plot(tmp_path):
     md = (tmp_path / "e2e_32q8kv.md").read_text()
     assert "32 q / 8 KV heads" in md and "| tq4 | 3,760 | 3.76x | 120 |  | 40 | 2.50 |" in md
     assert "- bf16: `run A`" in md and "- tq4: `run B`" in md  # merged rows name the call that measured them
+    assert "Memory-limit load: 1024 tokens generated per request." in md
     assert (tmp_path / "e2e_32q8kv.png").stat().st_size > 0
