@@ -45,10 +45,16 @@ def _int_mma(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _int8_query(qa, qb, k_step, SCORE_UNIT: tl.constexpr):
-    """Rows of query quads (fp32, (rows, D/2) each) as q = q_step * (hi + lo / 254), hi and lo int8 in [-127, 127]
-    (~15 bits), so q.k is two exact int8 MMAs over one decoded key tile. Scores accumulate 254 hi + lo as int32;
-    q_gain turns them into SCORE_UNIT units. A key code t stands for (t + 1/2) * k_step: the halves add q_half."""
+def _int8_query(q_row, row_ok, k_step, HEAD_DIM: tl.constexpr, DH: tl.constexpr, SCORE_UNIT: tl.constexpr):
+    """The query rows at q_row ((rows, 1) pointers) as quads in the order of the int8 key tiles
+    (kernels.common.load_int8_quads: coordinates 8i + 0..3, then 8i + 4..7), each q = q_step * (hi + lo / 254), hi
+    and lo int8 in [-127, 127] (~15 bits), so q.k is two exact int8 MMAs over one decoded key tile. Scores accumulate
+    254 hi + lo as int32; q_gain turns them into SCORE_UNIT units. A key code t stands for (t + 1/2) * k_step: the
+    halves add q_half."""
+    quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
+    quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
+    qa = tl.load(q_row + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
+    qb = tl.load(q_row + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
     q_max = tl.maximum(tl.max(tl.abs(qa), axis=1), tl.max(tl.abs(qb), axis=1))
     q_step = tl.where(q_max > 0, q_max / 127.0, 1.0)
     qa = qa / q_step[:, None]
@@ -60,6 +66,17 @@ def _int8_query(qa, qb, k_step, SCORE_UNIT: tl.constexpr):
     q_gain = q_step * (k_step / 254.0) * SCORE_UNIT
     q_half = 0.5 * (tl.sum(254.0 * qa_hi + qa_lo, axis=1) + tl.sum(254.0 * qb_hi + qb_lo, axis=1)) * q_gain
     return qa_hi.to(tl.int8), qb_hi.to(tl.int8), qa_lo.to(tl.int8), qb_lo.to(tl.int8), q_gain, q_half
+
+
+@triton.jit
+def _query_halves(q_row, row_ok, BITS: tl.constexpr, HEAD_DIM: tl.constexpr, DH: tl.constexpr):
+    """The query rows at q_row ((rows, 1) pointers) as (even, odd) coordinates in the order of the key tiles' pairs
+    (kernels.common.pair_index), (rows, DH) each."""
+    col = 2 * pair_index(tl.arange(0, DH), BITS, HEAD_DIM)
+    ok = row_ok[:, None] & (col[None, :] < HEAD_DIM)
+    q_even = tl.load(q_row + col[None, :], mask=ok, other=0.0)
+    q_odd = tl.load(q_row + col[None, :] + 1, mask=ok, other=0.0)
+    return q_even, q_odd
 
 
 @triton.jit
@@ -129,18 +146,10 @@ def _attention_kernel(
     # Work on even and odd coordinates separately: that is how codes share bytes (tiles hold common.pair_index).
     DH: tl.constexpr = D_PAD // 2
     q_row = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-    if K_BITS == 4:
-        # 4-bit keys are int8 (kernels.common.load_int8_quads), so are the queries (_int8_query).
-        quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
-        quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
-        qa = tl.load(q_row + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
-        qb = tl.load(q_row + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
-        qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(qa, qb, k_step, SCORE_UNIT)
+    if K_BITS == 4:  # 4-bit keys are int8 (kernels.common.load_int8_quads), so are the queries
+        qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(q_row, row_ok, k_step, HEAD_DIM, DH, SCORE_UNIT)
     else:
-        q_col = 2 * pair_index(tl.arange(0, DH), K_BITS, HEAD_DIM)
-        q_ok = row_ok[:, None] & (q_col[None, :] < HEAD_DIM)
-        q_even = tl.load(q_row + q_col[None, :], mask=q_ok, other=0.0)
-        q_odd = tl.load(q_row + q_col[None, :] + 1, mask=q_ok, other=0.0)
+        q_even, q_odd = _query_halves(q_row, row_ok, K_BITS, HEAD_DIM, DH)
     q_pos = ctx_len + q_idx  # absolute position of each row's query token
 
     last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -254,20 +263,14 @@ def _decode_kernel(
     head = kv_head * GROUP + g
     q_row = q_ptr + token * stride_qt + head * stride_qh
     if K_BITS == 4:
-        quad = 8 * (tl.arange(0, DH) // 4) + tl.arange(0, DH) % 4
-        quad_ok = row_ok[:, None] & (quad[None, :] < HEAD_DIM)
-        qa = tl.load(q_row[:, None] + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
-        qb = tl.load(q_row[:, None] + 4 + quad[None, :], mask=quad_ok, other=0.0).to(tl.float32)
-        qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(qa, qb, k_step, SCORE_UNIT)
+        qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(q_row[:, None], row_ok, k_step, HEAD_DIM, DH,
+                                                                 SCORE_UNIT)
         qa_hi = tl.broadcast_to(qa_hi[None, :, :], (WARPS, ROWS, DH))  # every warp its own copy: batched MMA operands
         qb_hi = tl.broadcast_to(qb_hi[None, :, :], (WARPS, ROWS, DH))
         qa_lo = tl.broadcast_to(qa_lo[None, :, :], (WARPS, ROWS, DH))
         qb_lo = tl.broadcast_to(qb_lo[None, :, :], (WARPS, ROWS, DH))
     else:
-        q_col = 2 * pair_index(tl.arange(0, DH), K_BITS, HEAD_DIM)
-        q_ok = row_ok[:, None] & (q_col[None, :] < HEAD_DIM)
-        q_even = tl.load(q_row[:, None] + q_col[None, :], mask=q_ok, other=0.0)
-        q_odd = tl.load(q_row[:, None] + q_col[None, :] + 1, mask=q_ok, other=0.0)
+        q_even, q_odd = _query_halves(q_row[:, None], row_ok, K_BITS, HEAD_DIM, DH)
         q_even = tl.broadcast_to(q_even[None, :, :], (WARPS, ROWS, DH))
         q_odd = tl.broadcast_to(q_odd[None, :, :], (WARPS, ROWS, DH))
 
