@@ -3,7 +3,11 @@
 A Llama-shaped model with random weights (16 layers, hidden 2048, 16 query / 4 KV heads,
 head_dim 128), gpu_memory_utilization 0.85, full CUDA graphs for decode, no prefix caching.
 Decode tok/s = requests x (generated - 1) / (time of the full run - time of a prefill-only run),
-the median over --repeats pairs; --at-limit CONTEXT adds requests/s with as many CONTEXT-token
+the median over --repeats pairs (the kit's definition, ../shared/gpu/README.md). The engine is stepped
+as LLM.generate steps it, each step timed, so the same runs also split the full run's time: the
+steps while some request still prefills (their excess over the prefill-only run is what the
+decodes riding along cost) and the steps after, where every token is a decode
+(decode_only_tok_s_*: those steps' tokens / their time). --at-limit CONTEXT adds requests/s with as many CONTEXT-token
 requests as the KV cache holds, each generating --at-limit-generate tokens (128: a prefill-bound load; ~1024 and up:
 a decode-bound one, where the tokens a cache holds count).
 Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
@@ -55,6 +59,31 @@ GENERATED = 128
 MAX_SEQS_AT_LIMIT = 2048
 
 
+class Steps:
+    """One run's engine steps: wall seconds and tokens produced, apart for the steps taken while some
+    request was still prefilling (decodes of the others ride along) and the decode-only steps after."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0  # the whole run, adding the requests included
+        self.time = {True: 0.0, False: 0.0}  # keyed by "some request was prefilling"
+        self.count = {True: 0, False: 0}
+        self.tokens = {True: 0, False: 0}
+
+    def add(self, prefilling: bool, seconds: float, tokens: int) -> None:
+        self.time[prefilling] += seconds
+        self.count[prefilling] += 1
+        self.tokens[prefilling] += tokens
+
+    @property
+    def decode_only_tok_s(self) -> float | None:
+        return self.tokens[False] / self.time[False] if self.count[False] else None
+
+    def summary(self) -> dict:
+        return dict(seconds=self.seconds, prefill_phase_s=self.time[True], prefill_phase_steps=self.count[True],
+                    prefill_phase_tokens=self.tokens[True], decode_only_s=self.time[False],
+                    decode_only_steps=self.count[False], decode_only_tokens=self.tokens[False])
+
+
 def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int,
            at_limit_generate: int = GENERATED) -> dict:
     """Runs inside a fresh process: one engine, every measurement for this KV cache."""
@@ -78,12 +107,31 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
            "max_num_batched_tokens": sched.max_num_batched_tokens}
     rng = random.Random(0)
 
-    def timed(prompts: list, max_tokens: int) -> float:
+    request_ids = iter(range(1 << 62))
+
+    def timed(prompts: list, max_tokens: int) -> Steps:
+        """LLM.generate's loop (add every request, step until none is left), each step timed."""
+        engine = llm.llm_engine
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        steps = Steps()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-        return time.perf_counter() - t0
+        for p in prompts:
+            engine.add_request(str(next(request_ids)), p, params)
+        generated: dict[str, int] = {}
+        while engine.has_unfinished_requests():
+            prefilling = len(generated) < len(prompts)  # some request has not produced its first token yet
+            t = time.perf_counter()
+            outs = engine.step()
+            new = 0
+            for o in outs:
+                n = len(o.outputs[0].token_ids)
+                new += n - generated.get(o.request_id, 0)
+                generated[o.request_id] = n
+                assert not o.finished or n == max_tokens
+            steps.add(prefilling, time.perf_counter() - t, new)
+        steps.seconds = time.perf_counter() - t0
+        assert len(generated) == len(prompts)
+        return steps
 
     def random_prompts(n: int, length: int) -> list:
         return [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(length)]} for _ in range(n)]
@@ -93,13 +141,16 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
         timed(prompts, 1)  # warm-up
         # Decode time = full run - prefill-only run; each is noisy, so take the median of pairs.
         pairs = [(timed(prompts, 1), timed(prompts, GENERATED)) for _ in range(repeats)]
-        prefill = statistics.median(p for p, _ in pairs)
-        decode = statistics.median(f - p for p, f in pairs)
-        row[f"decode_tok_s_{batch}x{context // 1024}k"] = batch * (GENERATED - 1) / decode
-        row[f"prefill_tok_s_{batch}x{context // 1024}k"] = batch * context / prefill
+        shape = f"{batch}x{context // 1024}k"
+        prefill = statistics.median(p.seconds for p, _ in pairs)
+        decode = statistics.median(f.seconds - p.seconds for p, f in pairs)
+        row[f"decode_tok_s_{shape}"] = batch * (GENERATED - 1) / decode
+        row[f"prefill_tok_s_{shape}"] = batch * context / prefill
+        row[f"decode_only_tok_s_{shape}"] = statistics.median(f.decode_only_tok_s for _, f in pairs)
+        row[f"steps_{shape}"] = [dict(f.summary(), prefill_only_s=p.seconds) for p, f in pairs]  # each pair
     if at_limit:  # as many requests as the cache holds, all at once
         n = min(row["kv_tokens"] // (at_limit + at_limit_generate), MAX_SEQS_AT_LIMIT)
-        seconds = timed(random_prompts(n, at_limit), at_limit_generate)
+        seconds = timed(random_prompts(n, at_limit), at_limit_generate).seconds
         row.update(at_limit_requests=n, at_limit_req_s=n / seconds, at_limit_generated=at_limit_generate,
                    at_limit_output_tok_s=n * at_limit_generate / seconds)
     return row
@@ -171,12 +222,14 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
     meta = dict(model=model, runs=runs, generated=GENERATED)
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
-    lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | prefill tok/s | "
-             "requests/s at the memory limit |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | decode-only steps 64x8k | "
+             "decode-only steps 32x32k | prefill tok/s | requests/s at the memory limit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['kv']} | {r['kv_tokens']:,} | {fmt(r.get('kv_tokens_vs_bf16'), '.2f')}x | "
                      f"{fmt(r['decode_tok_s_64x8k'], ',.0f')} | {fmt(r['decode_tok_s_32x32k'], ',.0f')} | "
+                     f"{fmt(r.get('decode_only_tok_s_64x8k'), ',.0f')} | "
+                     f"{fmt(r.get('decode_only_tok_s_32x32k'), ',.0f')} | "
                      f"{fmt(r['prefill_tok_s'], ',.0f')} | {fmt(r.get('at_limit_req_s'), '.2f')} |")
     shape = (f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} q / "
              f"{model['num_key_value_heads']} KV heads, head_dim {model['head_dim']}")
@@ -186,7 +239,10 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
     measured = "\n".join(f"- {', '.join(kvs)}: `{cmd}`" for cmd, kvs in runs_by.items())
     loads = sorted({r["at_limit_generated"] for r in rows if r.get("at_limit_generated")})
     load = f"\n\nMemory-limit load: {' / '.join(map(str, loads))} tokens generated per request." if loads else ""
-    (out / f"{stem}.md").write_text(f"Llama shape with random weights: {shape}.\n\n" + "\n".join(lines) + load
+    steps = ("\n\nDecode tok/s: requests x (generated - 1) / (full run - prefill-only run), as in the kit's README; "
+             "decode-only steps: tokens / time of the full run's steps after every request has finished its prefill "
+             "(its earlier tokens come from decodes riding along in prefill steps; per-pair figures in the JSON).")
+    (out / f"{stem}.md").write_text(f"Llama shape with random weights: {shape}.\n\n" + "\n".join(lines) + steps + load
                                     + f"\n\nMeasured by:\n{measured}\n")
     print("\n".join(lines))
     import matplotlib

@@ -4,10 +4,10 @@ The e2e model shape (benchmarks/e2e.py, random weights) runs in vLLM in-process 
 kernel shows up under torch.profiler by name. The engine is stepped by hand: once every request
 has finished its prefill, STEPS steps in which all of them decode are profiled. GPU time per
 kernel per step, and launches per step and layer: under CUDA graphs each launch still costs its
-own GPU time and a gap. --wall also times the same steps with CUDA graphs, as served (a second engine
-per KV cache): the wall time of a decode step with nothing but decodes in it, host work included.
+own GPU time and a gap. (The wall time of such steps as served, graphs and host work included, is
+e2e.py's decode_only_tok_s.)
 
-    python benchmarks/profile_decode.py [--kv bf16,tq4] [--batch 64 --context 8192] [--heads 16/4] [--wall]
+    python benchmarks/profile_decode.py [--kv bf16,tq4] [--batch 64 --context 8192] [--heads 16/4]
 Writes benchmarks/results/profile_decode.{json,md}.
 """
 
@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,23 +27,6 @@ from e2e import KV, child_row, model_config  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 STEPS = 16
 MAX_GENERATED = 512
-
-
-class WallClock:
-    """Seconds between entering and leaving, the GPU synchronized at both ends."""
-
-    def __enter__(self):
-        import torch
-
-        torch.cuda.synchronize()
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-
-        torch.cuda.synchronize()
-        self.seconds = time.perf_counter() - self.start
 
 
 def decode_steps(llm, prompts: list, steps: int, around: contextlib.AbstractContextManager):
@@ -87,8 +69,8 @@ def decode_kernel_times(llm, prompts: list, steps: int) -> dict[str, tuple[float
     return out
 
 
-def profile(kv: str, model_dir: str, batch: int, context: int, layers: int, wall: bool = False) -> dict:
-    """Runs inside a fresh process: one engine, one KV cache. wall: CUDA graphs, the steps' wall time only."""
+def profile(kv: str, model_dir: str, batch: int, context: int, layers: int) -> dict:
+    """Runs inside a fresh process: one engine, one KV cache."""
     import random
 
     from vllm import LLM
@@ -96,13 +78,10 @@ def profile(kv: str, model_dir: str, batch: int, context: int, layers: int, wall
     backend, dtype, _ = KV[kv]
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=context + MAX_GENERATED,
               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, kv_cache_dtype=dtype,
-              max_num_seqs=batch, enforce_eager=not wall,
+              max_num_seqs=batch, enforce_eager=True,
               **({"attention_config": {"backend": backend}} if backend else {}))
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 32000) for _ in range(context)]} for _ in range(batch)]
-    if wall:
-        ms = decode_steps(llm, prompts, STEPS, WallClock()).seconds * 1e3 / STEPS
-        return dict(kv=kv, wall_ms_per_step=ms, decode_tok_s=batch * 1e3 / ms)
     times = decode_kernel_times(llm, prompts, STEPS)
     kernels = [dict(name=name, us_per_step=t / STEPS, launches_per_step=n / STEPS) for name, (t, n) in times.items()]
     kernels.sort(key=lambda k: -k["us_per_step"])
@@ -115,10 +94,8 @@ def profile(kv: str, model_dir: str, batch: int, context: int, layers: int, wall
 def markdown(rows: list[dict], command: str) -> str:
     lines = [f"Command: `{command}`", ""]
     for r in rows:
-        wall = (f"; with CUDA graphs {r['wall_ms_per_step']:.2f} ms of wall time per step ({r['decode_tok_s']:,.0f} "
-                "tok/s)") if "wall_ms_per_step" in r else ""
         lines += [f"## {r['kv']}: {r['batch']} x {r['context']}, GPU time {r['us_per_step']:,.0f} µs per decode step, "
-                  f"{r['launches_per_step']:.0f} launches ({r['launches_per_layer']:.1f} per layer){wall}", "",
+                  f"{r['launches_per_step']:.0f} launches ({r['launches_per_layer']:.1f} per layer)", "",
                   "| kernel | µs per step | launches per step |", "| --- | ---: | ---: |"]
         for k in r["kernels"][:20]:
             lines.append(f"| `{k['name'][:90]}` | {k['us_per_step']:,.1f} | {k['launches_per_step']:.0f} |")
@@ -132,15 +109,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--heads", default="16/4")
-    ap.add_argument("--wall", action="store_true", help="also the wall time of the decode steps under CUDA graphs")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--child-wall", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     model, _ = model_config(args.heads)
     if args.child:
         kv, model_dir = args.child.split(":", 1)
-        row = profile(kv, model_dir, args.batch, args.context, model["num_hidden_layers"], args.child_wall)
+        row = profile(kv, model_dir, args.batch, args.context, model["num_hidden_layers"])
         print("PROFILE_ROW " + json.dumps(row), flush=True)
         return
     out = Path(args.out)
@@ -156,9 +131,6 @@ def main() -> None:
             row = child_row(cmd, env, out / f"profile_decode_{kv}.log", "PROFILE_ROW")
             if row is None:
                 continue
-            if args.wall:
-                timed = child_row(cmd + ["--child-wall"], env, out / f"profile_decode_{kv}_wall.log", "PROFILE_ROW")
-                row.update({k: v for k, v in (timed or {}).items() if k != "kv"})
             rows.append(row)
             doc = dict(command=command, model=model, rows=rows)
             (out / "profile_decode.json").write_text(json.dumps(doc, indent=1))

@@ -30,7 +30,7 @@ def main() -> None:
     print(f"store_kv on {torch.cuda.get_device_name()}: {KV_HEADS} KV heads, d {HEAD_DIM}, tq4")
     print("| tokens | config | time (us) | GB/s (bf16 in + cache out) |")
     print("| --- | --- | --- | --- |")
-    for tokens in (64, 1024, 16384):
+    for tokens in (64, 1024, 2048, 4096, 8192, 16384):
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         k = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
         v = torch.randn(tokens, KV_HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)

@@ -18,7 +18,8 @@ def test_model_shapes():
 
 def test_write_tables_ratios_and_plot(tmp_path):
     rows = [dict(kv="bf16", kv_tokens=1000, decode_tok_s_64x8k=100.0, prefill_tok_s_64x8k=50.0, command="run A"),
-            dict(kv="tq4", kv_tokens=3760, decode_tok_s_64x8k=120.0, prefill_tok_s_64x8k=40.0, at_limit_req_s=2.5,
+            dict(kv="tq4", kv_tokens=3760, decode_tok_s_64x8k=120.0, decode_only_tok_s_64x8k=130.0,
+                 prefill_tok_s_64x8k=40.0, at_limit_req_s=2.5,
                  at_limit_generated=1024, command="run B")]
     model, stem = e2e.model_config("32/8")
     e2e.write(rows, tmp_path, "64x8192", model, stem)
@@ -26,7 +27,19 @@ def test_write_tables_ratios_and_plot(tmp_path):
     assert [r["kv_tokens_vs_bf16"] for r in data["rows"]] == [1.0, 3.76]
     assert data["rows"][1]["prefill_tok_s"] == 40.0 and data["rows"][0]["decode_tok_s_32x32k"] is None
     md = (tmp_path / "e2e_32q8kv.md").read_text()
-    assert "32 q / 8 KV heads" in md and "| tq4 | 3,760 | 3.76x | 120 |  | 40 | 2.50 |" in md
+    assert "32 q / 8 KV heads" in md and "| tq4 | 3,760 | 3.76x | 120 |  | 130 |  | 40 | 2.50 |" in md
     assert "- bf16: `run A`" in md and "- tq4: `run B`" in md  # merged rows name the call that measured them
     assert "Memory-limit load: 1024 tokens generated per request." in md
     assert (tmp_path / "e2e_32q8kv.png").stat().st_size > 0
+
+
+def test_steps_split_the_prefill_phase_from_the_decode_only_steps():
+    steps = e2e.Steps()
+    assert steps.decode_only_tok_s is None
+    steps.add(True, 0.5, 3)  # prefill chunks with three decodes riding along
+    steps.add(False, 0.25, 64)
+    steps.add(False, 0.25, 32)  # the early requests are done
+    steps.seconds = 1.1
+    assert steps.decode_only_tok_s == 96 / 0.5
+    assert steps.summary() == dict(seconds=1.1, prefill_phase_s=0.5, prefill_phase_steps=1, prefill_phase_tokens=3,
+                                   decode_only_s=0.5, decode_only_steps=2, decode_only_tokens=96)
