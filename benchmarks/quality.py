@@ -42,7 +42,9 @@ KV cache in its own process (vLLM engines do not tear down cleanly in one), bf16
 
 On the GPU machine (inputs must lie inside the repo tree to travel):
     python3 benchmarks/quality.py --model MODEL_DIR --wikitext data/wikitext2-test.txt \\
-        --heldout data/val.bin --haystack data/paul_graham_essays [--kv bf16,tq4] [--merge]
+        --heldout data/val.bin --haystack data/paul_graham_essays [--kv bf16,tq4] [--merge] [--parallel 3]
+--parallel N runs the KV caches after bf16 N at once on the one GPU, each with min(--gpu-memory-utilization,
+0.85 / N) of its memory, a new one starting only once the running ones have their engines up.
 Writes --out (benchmarks/results/quality.json) after every KV cache, the children's logs beside
 it (quality.log), and prints the table. Rendering is a separate, local step:
     python benchmarks/quality.py --report benchmarks/results/quality.json
@@ -62,7 +64,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from importlib import metadata
 from pathlib import Path
 
@@ -88,6 +92,8 @@ ANCHORS = ("Published anchors (other models, not this one): vLLM's in-tree Turbo
            "+20.6%; TurboQuant paper, needle-in-a-haystack: 0.997.")
 ROW_TAG = "QUALITY_ROW "
 MAX_SEQS = 256  # all prompts of a metric at once (the needle grid has 200)
+PARALLEL_GPU = 0.85  # of the GPU's memory, split among the children of --parallel N > 1
+GPU_SHARE = "QUALITY_GPU_MEMORY_UTILIZATION"  # a parallel child's share, over inputs.json's
 
 
 # ---- pure pieces (unit-tested) -------------------------------------------------------------
@@ -232,15 +238,16 @@ def evaluate(kv: str, work: Path) -> None:
 
     inp = json.loads((work / "inputs.json").read_text())
     backend, dtype, _ = KV[kv]
+    share = float(os.environ.get(GPU_SHARE, inp["gpu_memory_utilization"]))
     t0 = time.perf_counter()
     llm = LLM(model=inp["model"], skip_tokenizer_init=True, max_model_len=inp["context"] + 1, enforce_eager=True,
-              gpu_memory_utilization=inp["gpu_memory_utilization"], enable_prefix_caching=False, seed=0,
+              gpu_memory_utilization=share, enable_prefix_caching=False, seed=0,
               enable_chunked_prefill=True, long_prefill_token_threshold=inp["prefill_chunk"], max_num_seqs=MAX_SEQS,
               max_num_batched_tokens=MAX_SEQS * inp["prefill_chunk"],  # every running sequence gets its chunk
               kv_cache_dtype=dtype, **({"attention_config": {"backend": backend}} if backend else {}))
     cache = llm.llm_engine.vllm_config.cache_config
-    row = dict(kv=kv, kv_tokens=cache.num_gpu_blocks * cache.block_size, device=torch.cuda.get_device_name(),
-               seconds_by_step={})
+    row = dict(kv=kv, kv_tokens=cache.num_gpu_blocks * cache.block_size, gpu_memory_utilization=share,
+               device=torch.cuda.get_device_name(), seconds_by_step={})
     try:  # reads vLLM internals: if that breaks, the formula stands in and the metrics still run
         per_layer = llm.collective_rpc(layer_bytes)[0]
         by_layer = sorted(per_layer, key=lambda name: [int(d) for d in re.findall(r"\d+", name)])
@@ -294,19 +301,47 @@ def evaluate(kv: str, work: Path) -> None:
 
 # ---- the run: one child per KV cache -------------------------------------------------------
 
-def child(kv: str, work: Path, env: dict, timeout: float) -> tuple[str, str, int]:
-    """One KV cache's process; afterwards its whole session is killed, so no engine process keeps GPU memory."""
-    proc = subprocess.Popen([sys.executable, __file__, "--child", kv, "--work", str(work)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+def child_command(kv: str, work: Path) -> list[str]:
+    return [sys.executable, __file__, "--child", kv, "--work", str(work)]
+
+
+def child(kv: str, work: Path, env: dict, timeout: float, startup: threading.Lock) -> tuple[str, str, int, float]:
+    """One KV cache's process: its stdout, stderr, exit code and seconds. Afterwards its whole session is killed, so
+    no engine process keeps GPU memory.
+
+    It holds `startup` until its first row (its engine is up) or its end: vLLM sizes its cache from the GPU memory it
+    profiles at startup, which an engine allocating beside it at the same time would throw off."""
+    stdout, stderr, up = [], [], threading.Event()
+
+    def read(stream, lines: list[str]) -> None:  # as it comes: the first row must be seen while the child runs
+        with stream:
+            for line in stream:
+                lines.append(line)
+                if line.startswith(ROW_TAG):
+                    up.set()
+
+    with startup:
+        t0 = time.perf_counter()
+        deadline = t0 + (timeout or math.inf)
+        proc = subprocess.Popen(child_command(kv, work), env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        readers = [threading.Thread(target=read, args=(proc.stdout, stdout)),
+                   threading.Thread(target=read, args=(proc.stderr, stderr))]
+        for reader in readers:
+            reader.start()
+        while not up.wait(0.1) and proc.poll() is None and time.perf_counter() < deadline:  # up, ended or out of time
+            pass
+    note = ""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout or None)
+        proc.wait(max(0.0, deadline - time.perf_counter()) if timeout else None)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        stderr += f"\nTimeoutError: killed after {timeout:.0f} s"
+        note = f"\nTimeoutError: killed after {timeout:.0f} s"
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    return stdout, stderr, proc.returncode
+    proc.wait()
+    for reader in readers:  # the session is gone: every pipe is at its end
+        reader.join()
+    return "".join(stdout), "".join(stderr) + note, proc.returncode, time.perf_counter() - t0
 
 
 def run(args) -> None:
@@ -316,10 +351,14 @@ def run(args) -> None:
     chosen = args.kv.split(",")
     unknown = set(chosen) - set(KV)
     assert not unknown, f"unknown KV caches {unknown}; choose from {', '.join(KV)}"
+    assert args.parallel >= 1, "--parallel must be at least 1"
     calibration = {}
     if any(kv.endswith(CALIBRATED) for kv in chosen):
         assert args.key_calibration, f"the {CALIBRATED} caches need --key-calibration"
         calibration = {"TURBOQUANT_KEY_CALIBRATION": str(Path(args.key_calibration).resolve())}
+    share = args.gpu_memory_utilization  # of the GPU, for each child after bf16
+    if args.parallel > 1:  # side by side on one GPU: vLLM refuses to start when its share is not free
+        share = min(share, PARALLEL_GPU / args.parallel)
     t0 = time.perf_counter()
     inp = prepare(args)
     (work / "inputs.json").write_text(json.dumps(inp))
@@ -334,17 +373,21 @@ def run(args) -> None:
         wikitext2_windows=len(inp["wikitext2"]), heldout_windows=len(inp["heldout"]), kl_prompts=len(inp["kl_prompts"]),
         kl_prompt_len=args.kl_prompt_len.replace(",", "-"), kl_tokens=args.kl_tokens, needle_lengths=args.lengths,
         needle_depths=args.depths, needles_per_cell=args.needles, prefill_chunk=args.prefill_chunk,
-        gpu_memory_utilization=args.gpu_memory_utilization, prepare_seconds=time.perf_counter() - t0))
+        gpu_memory_utilization=args.gpu_memory_utilization, parallel=args.parallel,
+        parallel_gpu_memory_utilization=share, prepare_seconds=time.perf_counter() - t0))
     if calibration:
         doc["key_calibration"] = args.key_calibration
     log = out.with_suffix(".log")
     log.write_text("")
-    for kv in [k for k in KV if k in chosen]:  # bf16 first: the others' KL needs its reference
+    startup = threading.Lock()
+
+    def measure(kv: str, share_env: dict) -> tuple[str, str, str, int, float]:
         # max_model_len = context + 1 (see the docstring); collective_rpc ships layer_bytes (a function) to the worker
         env = dict(os.environ, VLLM_ALLOW_LONG_MAX_MODEL_LEN="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", **KV[kv][2],
-                   **(calibration if kv.endswith(CALIBRATED) else {}))
-        t = time.perf_counter()
-        stdout, stderr, rc = child(kv, work, env, args.child_timeout)
+                   **(calibration if kv.endswith(CALIBRATED) else {}), **share_env)
+        return kv, *child(kv, work, env, args.child_timeout, startup)
+
+    def record(kv: str, stdout: str, stderr: str, rc: int, seconds: float) -> None:
         with log.open("a") as f:
             f.write(f"==== {kv} (rc {rc})\n{stdout[-20000:]}\n{stderr[-20000:]}\n")
         found = [line[len(ROW_TAG):] for line in stdout.splitlines() if line.startswith(ROW_TAG)]
@@ -355,10 +398,18 @@ def run(args) -> None:
             doc["device"] = row.pop("device")
         row["bytes_per_token_formula"] = bytes_formula(kv, inp["num_layers"], inp["head_dim"])
         row["bytes_per_token"] = row.get("bytes_per_token_runtime", row["bytes_per_token_formula"])
-        row["seconds"] = time.perf_counter() - t
+        row["seconds"] = seconds
         doc["rows"] = sorted(doc["rows"] + [row], key=lambda r: list(KV).index(r["kv"]))
         out.write_text(json.dumps(doc, indent=1))  # after every KV cache: a cut-off run keeps what it measured
         print(f"{kv}: {row.get('error', 'ok').splitlines()[-1]} ({row['seconds']:.0f} s)", flush=True)
+
+    order = [k for k in KV if k in chosen]
+    if "bf16" in order:  # first and alone: the others' KL needs its reference
+        record(*measure("bf16", {}))
+    with ThreadPoolExecutor(args.parallel) as pool:  # the rest, up to --parallel at once
+        running = [pool.submit(measure, kv, {GPU_SHARE: str(share)}) for kv in order if kv != "bf16"]
+        for done in as_completed(running):
+            record(*done.result())
     print(markdown(doc))
 
 
@@ -381,6 +432,9 @@ def markdown(doc: dict) -> str:
                      f"{_pct(r.get('ppl_heldout'), base.get('ppl_heldout'))} | {needle} | {kl} | "
                      f"{format(r['kv_tokens'], ',') if 'kv_tokens' in r else ''} | {r.get('seconds', 0):.0f} |")
     s = doc.get("settings", {})
+    shared = [(f"The KV caches after bf16 ran {s['parallel']} at once on the one GPU, each with gpu_memory_utilization "
+               f"{s['parallel_gpu_memory_utilization']:.3g} (bf16: {s['gpu_memory_utilization']}): their KV tokens "
+               "reflect that smaller share, and their seconds overlap.")] if s.get("parallel", 1) > 1 else []
     notes = [
         f"Model `{doc['model']}`, vLLM {doc.get('vllm', '?')}, {doc.get('device', '?')}; context {s.get('context')}.",
         f"PPL: {s.get('wikitext2_windows')} WikiText-2 / {s.get('heldout_windows')} held-out windows of the full "
@@ -394,6 +448,7 @@ def markdown(doc: dict) -> str:
         "bytes/token/head: K+V per token per KV head, averaged over layers as vLLM allocates the pages; "
         "the in-tree turboquant_* keep the first and last 2 layers in bf16 (512 B).",
         ANCHORS,
+        *shared,
     ] + ([f"*{CALIBRATED}: the same preset with the key calibration `{doc['key_calibration']}` (core.calibration: "
           "keys cached as (k - mean) / scale, queries times scale; no bytes per token)."]
          if doc.get("key_calibration") else []) + [f"{r['kv']} failed: `{r['error'].splitlines()[-1]}`" for r in rows if "error" in r]
@@ -486,6 +541,9 @@ def parser() -> argparse.ArgumentParser:
                     "(turboquant-vllm calibrate)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in --out")
     ap.add_argument("--child-timeout", type=float, default=0, help="seconds per KV cache before it is killed (0: none)")
+    ap.add_argument("--parallel", type=int, default=1, metavar="N",
+                    help=f"KV caches after bf16 run N at once, each with min(--gpu-memory-utilization, "
+                    f"{PARALLEL_GPU} / N) of the GPU")
     ap.add_argument("--report", metavar="JSON", help="render JSON into quality.md / .png (no GPU)")
     ap.add_argument("--results-dir", help="where --report writes (default: beside the JSON)")
     ap.add_argument("--child", help=argparse.SUPPRESS)

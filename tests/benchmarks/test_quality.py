@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -180,3 +182,84 @@ def test_report_writes_markdown_and_figures(tmp_path):
     assert (tmp_path / "out" / "quality.md").read_text() == quality.markdown(results_doc())
     for name in ("quality.png", "quality_needle.png"):
         assert (tmp_path / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# Stands in for `quality.py --child KV`: appends its events to a file *before* the parent can see them happen (its
+# first row, its exit), so the file's order is an order the parent's scheduling must respect.
+FAKE_CHILD = r"""
+import json, os, sys, time
+kv, events = sys.argv[1], sys.argv[2]
+
+def event(what):
+    fd = os.open(events, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, f"{what} {kv}\n".encode())
+    os.close(fd)
+
+row = dict(kv=kv, gpu_memory_utilization=os.environ.get("QUALITY_GPU_MEMORY_UTILIZATION"))
+event("start")
+time.sleep(0.1)  # the engine's startup: short, so only --parallel keeps more from running
+if kv == "k5v4":
+    event("end")
+    sys.exit("RuntimeError: no engine")
+event("up")
+print("QUALITY_ROW " + json.dumps(row), flush=True)
+time.sleep(0.8)  # the metrics
+row["ppl_wikitext2"] = 20.0
+print("QUALITY_ROW " + json.dumps(row), flush=True)
+event("end")
+if kv == "tq2":
+    sys.exit("RuntimeError: boom")
+"""
+
+
+def test_parallel_run_schedules_children(tmp_path, monkeypatch, capsys):
+    events = tmp_path / "events"
+    monkeypatch.setattr(quality, "child_command", lambda kv, work: [sys.executable, "-c", FAKE_CHILD, kv, str(events)])
+    monkeypatch.setattr(quality, "prepare", lambda args: {
+        "context": 64, "prefix": [0], "num_layers": 2, "head_dim": 128, "wikitext2": [], "heldout": [], "kl_prompts": []})
+    monkeypatch.setattr(quality, "metadata", SimpleNamespace(version=lambda name: "test"))
+    chosen, parallel = ["tq2", "k5v4", "tq3", "fp8", "bf16", "k3v2", "tq4", "k4v3"], 3
+    out = tmp_path / "quality.json"
+    quality.run(quality.parser().parse_args([
+        "--model", str(tmp_path / "ref-llama"), "--kv", ",".join(chosen), "--out", str(out),
+        "--work", str(tmp_path / "work"), "--parallel", str(parallel)]))
+
+    running, up, widest = set(), set(), 0
+    lines = [line.split() for line in events.read_text().splitlines()]
+    assert lines[:3] == [["start", "bf16"], ["up", "bf16"], ["end", "bf16"]]  # bf16 first and alone
+    for what, kv in lines:
+        if what == "start":
+            assert running <= up, f"{kv} started beside {running - up} still starting"
+            running.add(kv)
+            widest = max(widest, len(running))
+        elif what == "up":
+            up.add(kv)
+        else:
+            running.remove(kv)
+    assert widest == parallel and not running and sorted(kv for what, kv in lines if what == "start") == sorted(chosen)
+
+    doc = json.loads(out.read_text())
+    rows = {r["kv"]: r for r in doc["rows"]}
+    assert list(rows) == [kv for kv in quality.KV if kv in chosen]
+    assert "boom" in rows["tq2"]["error"] and rows["tq2"]["ppl_wikitext2"] == 20.0  # failed after its last row
+    assert rows["k5v4"] == {"kv": "k5v4", "error": "RuntimeError: no engine", "seconds": rows["k5v4"]["seconds"],
+                            "bytes_per_token_formula": 152, "bytes_per_token": 152}  # no row: the formula's bytes
+    assert all("error" not in r and r["ppl_wikitext2"] == 20.0 for kv, r in rows.items() if kv not in ("tq2", "k5v4"))
+    share = 0.85 / parallel  # below the default 0.5
+    assert rows["bf16"]["gpu_memory_utilization"] is None  # bf16 alone keeps inputs.json's share
+    assert all(float(r["gpu_memory_utilization"]) == pytest.approx(share) for kv, r in rows.items()
+               if kv not in ("bf16", "k5v4"))
+    assert doc["settings"]["parallel"] == parallel
+    assert doc["settings"]["parallel_gpu_memory_utilization"] == pytest.approx(share)
+    log = out.with_suffix(".log").read_text()
+    assert all(f"==== {kv} (rc {1 if kv in ('tq2', 'k5v4') else 0})" in log for kv in chosen)
+    printed = capsys.readouterr().out
+    assert printed.endswith(quality.markdown(doc) + "\n") and "ran 3 at once" in printed
+
+
+def test_child_timeout_kills_it_and_keeps_its_rows(tmp_path, monkeypatch):
+    script = "import time; print('QUALITY_ROW {\"kv\": \"tq4\"}', flush=True); time.sleep(60)"
+    monkeypatch.setattr(quality, "child_command", lambda kv, work: [sys.executable, "-c", script])
+    stdout, stderr, rc, seconds = quality.child("tq4", tmp_path, {}, 1.0, quality.threading.Lock())
+    assert stdout == 'QUALITY_ROW {"kv": "tq4"}\n' and rc == -9 and 1 <= seconds < 5
+    assert stderr.endswith("TimeoutError: killed after 1 s")

@@ -18,7 +18,6 @@ from .constants import kernel_constants
 from .rotation import matrix_rows
 
 STORE_LARGE_BATCH = 1024  # tokens from which a store launch takes larger tiles (store_block_tokens)
-STORE_HUGE_BATCH = 8192  # and from which the largest
 
 
 @triton.jit
@@ -127,9 +126,8 @@ def check_calibration(key_calibration: KeyCalibration, layout: CacheLayout) -> N
 
 def store_block_tokens(num_tokens: int) -> int:
     """Tokens per program: 16 keep a decode step's few tokens spread over many programs; prefill-sized batches take
-    64, so each program reads R (d x d fp32) once for 4x the tokens, and the largest 128 (1.4x faster at 16k tokens,
-    slower at 1k: benchmarks/store_kernel.py)."""
-    return 16 if num_tokens < STORE_LARGE_BATCH else 64 if num_tokens < STORE_HUGE_BATCH else 128
+    64, so each program reads R (d x d fp32) once for 4x the tokens."""
+    return 16 if num_tokens < STORE_LARGE_BATCH else 64
 
 
 def store_kv(
