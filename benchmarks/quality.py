@@ -399,6 +399,7 @@ def run(args) -> None:
         row["bytes_per_token_formula"] = bytes_formula(kv, inp["num_layers"], inp["head_dim"])
         row["bytes_per_token"] = row.get("bytes_per_token_runtime", row["bytes_per_token_formula"])
         row["seconds"] = seconds
+        row["command"] = command  # rows merged from other calls keep theirs
         doc["rows"] = sorted(doc["rows"] + [row], key=lambda r: list(KV).index(r["kv"]))
         out.write_text(json.dumps(doc, indent=1))  # after every KV cache: a cut-off run keeps what it measured
         print(f"{kv}: {row.get('error', 'ok').splitlines()[-1]} ({row['seconds']:.0f} s)", flush=True)
@@ -435,6 +436,10 @@ def markdown(doc: dict) -> str:
     shared = [(f"The KV caches after bf16 ran {s['parallel']} at once on the one GPU, each with gpu_memory_utilization "
                f"{s['parallel_gpu_memory_utilization']:.3g} (bf16: {s['gpu_memory_utilization']}): their KV tokens "
                "reflect that smaller share, and their seconds overlap.")] if s.get("parallel", 1) > 1 else []
+    calls: dict[str, list[str]] = {}  # rows merged (--merge) from other calls name the call that measured them
+    for r in rows:
+        calls.setdefault(r.get("command", "unrecorded"), []).append(r["kv"])
+    measured = [f"Measured by `{cmd}`: {', '.join(kvs)}." for cmd, kvs in calls.items()] if len(calls) > 1 else []
     notes = [
         f"Model `{doc['model']}`, vLLM {doc.get('vllm', '?')}, {doc.get('device', '?')}; context {s.get('context')}.",
         f"PPL: {s.get('wikitext2_windows')} WikiText-2 / {s.get('heldout_windows')} held-out windows of the full "
@@ -449,6 +454,7 @@ def markdown(doc: dict) -> str:
         "the in-tree turboquant_* keep the first and last 2 layers in bf16 (512 B).",
         ANCHORS,
         *shared,
+        *measured,
     ] + ([f"*{CALIBRATED}: the same preset with the key calibration `{doc['key_calibration']}` (core.calibration: "
           "keys cached as (k - mean) / scale, queries times scale; no bytes per token)."]
          if doc.get("key_calibration") else []) + [f"{r['kv']} failed: `{r['error'].splitlines()[-1]}`" for r in rows if "error" in r]

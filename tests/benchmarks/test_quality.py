@@ -172,6 +172,11 @@ def test_markdown_table():
     assert "| tq4 | 136.0 | 20.400 (+2.00%) | 10.200 (+2.00%) | 1.000 | 0.01 ± 0.001 | 1,000 | 60 |" in md
     assert "| turboquant_3bit_nc (failed) | 204.5 |" in md and "turboquant_3bit_nc failed: `RuntimeError: boom`" in md
     assert "+2.71%" in md and "0.997" in md
+    assert "Measured by" not in md  # one call measured every row
+    doc = results_doc()
+    doc["rows"][2]["command"] = "an earlier call"  # merged (--merge) from another run
+    assert "- Measured by `an earlier call`: turboquant_4bit_nc." in quality.markdown(doc)
+    assert "- Measured by `unrecorded`: bf16, fp8, tq4, tq3, turboquant_3bit_nc." in quality.markdown(doc)
 
 
 def test_report_writes_markdown_and_figures(tmp_path):
@@ -243,7 +248,9 @@ def test_parallel_run_schedules_children(tmp_path, monkeypatch, capsys):
     assert list(rows) == [kv for kv in quality.KV if kv in chosen]
     assert "boom" in rows["tq2"]["error"] and rows["tq2"]["ppl_wikitext2"] == 20.0  # failed after its last row
     assert rows["k5v4"] == {"kv": "k5v4", "error": "RuntimeError: no engine", "seconds": rows["k5v4"]["seconds"],
-                            "bytes_per_token_formula": 152, "bytes_per_token": 152}  # no row: the formula's bytes
+                            "bytes_per_token_formula": 152, "bytes_per_token": 152,
+                            "command": rows["k5v4"]["command"]}  # no row: the formula's bytes
+    assert all(r["command"].startswith("python benchmarks/quality.py") for r in rows.values())
     assert all("error" not in r and r["ppl_wikitext2"] == 20.0 for kv, r in rows.items() if kv not in ("tq2", "k5v4"))
     share = 0.85 / parallel  # below the default 0.5
     assert rows["bf16"]["gpu_memory_utilization"] is None  # bf16 alone keeps inputs.json's share
