@@ -152,9 +152,9 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
         row[f"steps_{shape}"] = [dict(f.summary(), prefill_only_s=p.seconds) for p, f in pairs]  # each pair
     if at_limit:  # as many requests as the cache holds, all at once
         n = min(row["kv_tokens"] // (at_limit + at_limit_generate), MAX_SEQS_AT_LIMIT)
-        seconds = timed(random_prompts(n, at_limit), at_limit_generate).seconds
-        row.update(at_limit_requests=n, at_limit_req_s=n / seconds, at_limit_generated=at_limit_generate,
-                   at_limit_output_tok_s=n * at_limit_generate / seconds)
+        steps = timed(random_prompts(n, at_limit), at_limit_generate)
+        row.update(at_limit_requests=n, at_limit_req_s=n / steps.seconds, at_limit_generated=at_limit_generate,
+                   at_limit_output_tok_s=n * at_limit_generate / steps.seconds, at_limit_steps=steps.summary())
     return row
 
 
