@@ -48,7 +48,8 @@ On the GPU machine (inputs must lie inside the repo tree to travel):
 Writes --out (benchmarks/results/quality.json) after every KV cache, the children's logs beside
 it (quality.log), and prints the table. Rendering is a separate, local step:
     python benchmarks/quality.py --report benchmarks/results/quality.json
-writes quality.md, quality.png (quality vs bytes, Pareto front) and quality_needle.png.
+writes quality.md, quality.png (quality vs bytes, Pareto front), quality_needle.png (every cache) and
+quality_needle/<kv>.png (one heatmap per KV cache).
 """
 
 from __future__ import annotations
@@ -502,17 +503,30 @@ def plot(doc: dict, results: Path) -> None:
     for ax in axes.flat[len(grids):]:
         ax.axis("off")
     for ax, r in zip(axes.flat, grids):
-        g = r["needle_grid"]
-        ax.imshow(g["accuracy"], vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        for i, line in enumerate(g["accuracy"]):
-            for j, a in enumerate(line):
-                ax.text(j, i, f"{a:.1f}", ha="center", va="center", fontsize=7)
-        ax.set_xticks(range(len(g["lengths"])), g["lengths"], fontsize=7)
-        ax.set_yticks(range(len(g["depths"])), [f"{d}%" for d in g["depths"]], fontsize=7)
-        ax.set(title=f"{r['kv']}: {r['needle_accuracy']:.3f}", xlabel="context length", ylabel="needle depth")
+        _needle_heatmap(ax, r)
     fig.suptitle(f"{doc['model']}: pass-key accuracy")
     fig.tight_layout()
     fig.savefig(results / "quality_needle.png", dpi=120)
+    plt.close(fig)
+    (results / "quality_needle").mkdir(exist_ok=True)
+    for r in grids:  # and one file per KV cache
+        fig, ax = plt.subplots(figsize=(4.2, 3.6))
+        _needle_heatmap(ax, r)
+        fig.suptitle(f"{doc['model']}: pass-key accuracy", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(results / "quality_needle" / f"{r['kv']}.png", dpi=120)
+        plt.close(fig)
+
+
+def _needle_heatmap(ax, row: dict) -> None:
+    g = row["needle_grid"]
+    ax.imshow(g["accuracy"], vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, line in enumerate(g["accuracy"]):
+        for j, a in enumerate(line):
+            ax.text(j, i, f"{a:.1f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(g["lengths"])), g["lengths"], fontsize=7)
+    ax.set_yticks(range(len(g["depths"])), [f"{d}%" for d in g["depths"]], fontsize=7)
+    ax.set(title=f"{row['kv']}: {row['needle_accuracy']:.3f}", xlabel="context length", ylabel="needle depth")
 
 
 def report(path: Path, results: Path) -> None:

@@ -185,7 +185,10 @@ def test_report_writes_markdown_and_figures(tmp_path):
     src.write_text(json.dumps(results_doc()))
     quality.main(["--report", str(src), "--results-dir", str(tmp_path / "out")])
     assert (tmp_path / "out" / "quality.md").read_text() == quality.markdown(results_doc())
-    for name in ("quality.png", "quality_needle.png"):
+    heatmaps = [f"quality_needle/{r['kv']}.png" for r in results_doc()["rows"] if r.get("needle_grid")]
+    assert len(heatmaps) == 5 and sorted(p.name for p in (tmp_path / "out" / "quality_needle").iterdir()) == sorted(
+        h.split("/")[1] for h in heatmaps)  # one per KV cache with a grid (the failed one has none)
+    for name in ("quality.png", "quality_needle.png", *heatmaps):
         assert (tmp_path / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
