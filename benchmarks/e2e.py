@@ -68,8 +68,10 @@ class Steps:
         self.time = {True: 0.0, False: 0.0}  # keyed by "some request was prefilling"
         self.count = {True: 0, False: 0}
         self.tokens = {True: 0, False: 0}
+        self.slowest = (0.0, -1)  # (seconds, index) of the longest step: where a one-time stall shows
 
     def add(self, prefilling: bool, seconds: float, tokens: int) -> None:
+        self.slowest = max(self.slowest, (seconds, sum(self.count.values())))
         self.time[prefilling] += seconds
         self.count[prefilling] += 1
         self.tokens[prefilling] += tokens
@@ -81,7 +83,8 @@ class Steps:
     def summary(self) -> dict:
         return dict(seconds=self.seconds, prefill_phase_s=self.time[True], prefill_phase_steps=self.count[True],
                     prefill_phase_tokens=self.tokens[True], decode_only_s=self.time[False],
-                    decode_only_steps=self.count[False], decode_only_tokens=self.tokens[False])
+                    decode_only_steps=self.count[False], decode_only_tokens=self.tokens[False],
+                    slowest_step_s=self.slowest[0], slowest_step=self.slowest[1])
 
 
 def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int,

@@ -42,4 +42,7 @@ def test_steps_split_the_prefill_phase_from_the_decode_only_steps():
     steps.seconds = 1.1
     assert steps.decode_only_tok_s == 96 / 0.5
     assert steps.summary() == dict(seconds=1.1, prefill_phase_s=0.5, prefill_phase_steps=1, prefill_phase_tokens=3,
-                                   decode_only_s=0.5, decode_only_steps=2, decode_only_tokens=96)
+                                   decode_only_s=0.5, decode_only_steps=2, decode_only_tokens=96,
+                                   slowest_step_s=0.5, slowest_step=0)
+    steps.add(False, 0.75, 1)  # a stall late in the run
+    assert (steps.summary()["slowest_step_s"], steps.summary()["slowest_step"]) == (0.75, 3)
