@@ -20,6 +20,7 @@ Writes benchmarks/results/e2e.{json,md,png} (e2e_32q8kv.* for --heads 32/8).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -110,7 +111,7 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
            "max_num_batched_tokens": sched.max_num_batched_tokens}
     rng = random.Random(0)
 
-    request_ids = iter(range(1 << 62))
+    request_ids = itertools.count()  # unique across the runs of one engine
 
     def timed(prompts: list, max_tokens: int) -> Steps:
         """LLM.generate's loop (add every request, step until none is left), each step timed."""

@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.kernels import attention, store
+from turboquant_vllm.kernels.common import page_constants
 from turboquant_vllm.kernels.constants import _constants
 
 POINTERS = {"q_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "qsl_ptr": "*i32",
@@ -52,12 +53,8 @@ def main() -> None:
         return store_kernel(args)
     layout = CacheLayout(get_preset(args.preset), 128, 8, 16)  # the benchmark's shape: 32 q / 8 KV heads, d 128
     c = _constants(layout.preset.k_bits, layout.preset.v_bits, 128, "cpu")
-    consts = dict(
-        NUM_Q_HEADS=32, GROUP=4, NUM_SPLITS=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16,
-        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes, K_NORM_OFF=layout.key_norm_offset,
-        V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset, USE_WINDOW=False,
-        USE_SOFTCAP=False, UPCAST=False, K_ASM=c.key_mma_asm, V_ASM=c.value_lookup_asm,
-        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits)
+    consts = dict(NUM_Q_HEADS=32, GROUP=4, NUM_SPLITS=2, USE_WINDOW=False, USE_SOFTCAP=False, UPCAST=False,
+                  K_ASM=c.key_mma_asm, V_ASM=c.value_lookup_asm, **page_constants(layout))
     if args.kernel == "decode":
         fn = attention._decode_kernel
         consts.update(ROWS=8, WARPS=args.warps, WARP_N=args.block_n // args.warps, V_CHUNKS=2)
@@ -75,9 +72,12 @@ def main() -> None:
     for addr, op, rest in ins:  # a backward branch closes a loop
         target = re.search(r"0x([0-9a-f]+)", rest)
         if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
-            body = [o.split(".")[0] for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            full = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            body = [o.split(".")[0] for o in full]
             print(f"loop: {len(body)} instructions per warp per tile of {args.block_n} tokens;",
                   ", ".join(f"{k} {v}" for k, v in Counter(body).most_common(12)))
+            memory = Counter(o for o in full if o.startswith(("LD", "ST")))  # widths: LDS.U8 vs LDS.64
+            print("  loads / stores:", ", ".join(f"{k} {v}" for k, v in sorted(memory.items())))
 
 
 def compiled(fn, consts: dict, pointers: dict, options: dict, out: Path, divisible=frozenset()):
@@ -102,11 +102,7 @@ def compiled(fn, consts: dict, pointers: dict, options: dict, out: Path, divisib
 
 def store_kernel(args) -> None:
     layout = CacheLayout(get_preset(args.preset), args.head_dim, 4, 16)
-    consts = dict(
-        CALIBRATED=False, HEAD_DIM=args.head_dim, D_PAD=triton.next_power_of_2(args.head_dim), BLOCK_T=args.block_n,
-        BLOCK_K=32, BLOCK_SIZE=16, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes, K_NORM_OFF=layout.key_norm_offset,
-        V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset)
+    consts = dict(CALIBRATED=False, BLOCK_T=args.block_n, BLOCK_K=32, **page_constants(layout))
     pointers = {n: "*fp32" for n in ("rot_ptr", "mean_ptr", "scale_ptr", "k_bounds_ptr", "v_bounds_ptr",
                                      "k_values_ptr", "v_values_ptr")}
     pointers.update(key_ptr="*bf16", value_ptr="*bf16", cache_ptr="*u8", slot_ptr="*i64")

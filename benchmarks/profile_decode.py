@@ -14,7 +14,6 @@ Writes benchmarks/results/profile_decode.{json,md}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -29,9 +28,8 @@ STEPS = 16
 MAX_GENERATED = 512
 
 
-def decode_steps(llm, prompts: list, steps: int, around: contextlib.AbstractContextManager):
-    """Runs the prompts until every request decodes, then `steps` engine steps inside `around`; returns what
-    entering `around` gave."""
+def decode_kernel_times(llm, prompts: list, steps: int) -> dict[str, tuple[float, int]]:
+    """CUDA kernel name -> (total µs, launches) over `steps` engine steps in which every request decodes."""
     import torch
     from vllm import SamplingParams
 
@@ -45,7 +43,7 @@ def decode_steps(llm, prompts: list, steps: int, around: contextlib.AbstractCont
     for _ in range(2):  # every request decodes from here on; the first steps compile what is left
         engine.step()
     torch.cuda.synchronize()
-    with around as measured:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
@@ -53,14 +51,6 @@ def decode_steps(llm, prompts: list, steps: int, around: contextlib.AbstractCont
     engine.abort_request(ids)
     if running != len(prompts):
         raise RuntimeError(f"{running} of {len(prompts)} requests ran through the profile: raise MAX_GENERATED")
-    return measured
-
-
-def decode_kernel_times(llm, prompts: list, steps: int) -> dict[str, tuple[float, int]]:
-    """CUDA kernel name -> (total µs, launches) over `steps` engine steps in which every request decodes."""
-    import torch
-
-    prof = decode_steps(llm, prompts, steps, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]))
     out: dict[str, tuple[float, int]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, mma, next_pow2, pair_index
+from .common import (INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, mma, next_pow2,
+                     page_constants, pair_index)
 from .constants import kernel_constants
 from .rotation import merge_and_unrotate, rotate_queries
 from .store import check_cache, check_calibration
@@ -451,9 +452,7 @@ def paged_attention(
     # 4-bit keys: int8 keys and int8 hi / lo parts of the queries (exact products, see the kernel).
     q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
     common = dict(
-        NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
-        BLOCK_SIZE=layout.block_size, K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
-        K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, **page_constants(layout),
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
         K_ASM="" if INTERPRETED else c.key_mma_asm, V_ASM="" if INTERPRETED else c.value_lookup_asm,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
@@ -465,7 +464,7 @@ def paged_attention(
             q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
             part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
             ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, V_CHUNKS=2 if head_dim > 64 else 1,
-            K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits, **common,
+            **common,
         )
     else:
         grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
@@ -473,6 +472,6 @@ def paged_attention(
             q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
             part_acc, part_ml, num_seqs, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DECODE_ONLY=decode_only,
-            K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits, **common,
+            **common,
         )
     return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout)

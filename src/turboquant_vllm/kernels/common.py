@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.layout import CacheLayout
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Triton's CPU interpreter runs no inline PTX and mis-multiplies half-precision MMA operands.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -236,3 +238,13 @@ def check_index(name: str, t: torch.Tensor, like: torch.Tensor, dtypes=(torch.in
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def page_constants(layout: CacheLayout) -> dict:
+    """The page layout as the constexprs every kernel that reads or writes the cache takes."""
+    return dict(
+        HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_SIZE=layout.block_size,
+        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits, K_CODE_BYTES=layout.key_code_bytes,
+        V_CODE_BYTES=layout.value_code_bytes, K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset,
+        V_NORM_OFF=layout.value_norm_offset,
+    )

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import INTERPRETED, check_dtype, check_index, load_halves, mma, next_pow2, pair_index, round_to
+from .common import (INTERPRETED, check_dtype, check_index, load_halves, mma, next_pow2, page_constants, pair_index,
+                     round_to)
 from .constants import kernel_constants
 from .store import check_cache
 
@@ -109,10 +110,7 @@ def dequantize_pages(
         kv_cache, block_table, seq_lens, cu_seqlens_k, c.key_values[torch.float16], c.value_values[torch.float16],
         c.rotation_fp16, c.rotation if key_calibration is None else key_calibration.scale, k, v,
         block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), k.stride(0), k.stride(1),
-        HEAD_DIM=layout.head_dim, D_PAD=d_pad, BLOCK_N=block_n, BLOCK_J=min(64, d_pad), BLOCK_SIZE=layout.block_size,
-        K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
-        K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
+        BLOCK_N=block_n, BLOCK_J=min(64, d_pad), **page_constants(layout),
         CALIBRATED=key_calibration is not None, K_ASM="" if INTERPRETED else c.key_lookup_asm,
         V_ASM="" if INTERPRETED else c.value_lookup_asm, INTERPRET=INTERPRETED,
         num_warps=4,

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import check_dtype, check_index, codes_to_plane_bytes, next_pow2
+from .common import check_dtype, check_index, codes_to_plane_bytes, page_constants
 from .constants import kernel_constants
 from .rotation import matrix_rows
 
@@ -161,10 +161,6 @@ def store_kv(
         key, value, c.rotation, mean, scale, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,
         c.key_values[torch.float32], c.value_values[torch.float32],
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), CALIBRATED=key_calibration is not None,
-        HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_T=block_t, BLOCK_K=32,
-        BLOCK_SIZE=layout.block_size, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        K_CODE_BYTES=layout.key_code_bytes, V_CODE_BYTES=layout.value_code_bytes,
-        K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset, V_NORM_OFF=layout.value_norm_offset,
-        num_warps=num_warps,  # 8: 4 spill the 3xTF32 operands of the rotation
+        kv_cache.stride(0), kv_cache.stride(1), CALIBRATED=key_calibration is not None, BLOCK_T=block_t, BLOCK_K=32,
+        **page_constants(layout), num_warps=num_warps,  # 8: 4 spill the 3xTF32 operands of the rotation
     )
