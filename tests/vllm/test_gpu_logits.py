@@ -6,9 +6,11 @@ cached key and value replaced by core's dequantize(quantize(.)), is the referenc
 log-probabilities must match it (only kernel rounding differs) and must be clearly closer to it
 than to the same forward without quantization. Covered: prefill (prompt log-probs), decode
 (generated tokens' log-probs), chunked prefill, and prefix-cache hits (a rerun served from the
-cached compressed blocks continues the same way); GQA 4, 1 and 8.
+cached compressed blocks continues the same way); GQA 4, 1 and 8; tensor parallel 2 (each rank stores and reads
+its own KV heads; skipped with fewer than 2 GPUs).
 
-    source .gpukit/bin/env.sh && python3 tests/vllm/test_gpu_logits.py      # or pytest -m gpu
+    source .gpukit/bin/env.sh && python3 tests/vllm/test_gpu_logits.py [WORD...]     # or pytest -m gpu
+(WORDs pick the shapes whose ids contain one of them, e.g. `tp2`.)
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ except ImportError:  # the GPU image may lack pytest: run as a script
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, LAYERS, PROMPT_LEN, GENERATED = 512, 2, 300, 8
-# (head_dim, query heads, KV heads, dtype, preset)
-SHAPES = [(128, 8, 2, "bfloat16", "tq4"), (64, 8, 8, "float16", "tq4"), (256, 8, 1, "bfloat16", "tq3")]
+# (head_dim, query heads, KV heads, dtype, preset, tensor-parallel size)
+SHAPES = [(128, 8, 2, "bfloat16", "tq4", 1), (64, 8, 8, "float16", "tq4", 1), (256, 8, 1, "bfloat16", "tq3", 1),
+          (128, 8, 2, "bfloat16", "tq4", 2)]  # TP 2: one KV head and 4 query heads per rank
 
 ENGINE = """
 import json, sys
@@ -134,14 +137,21 @@ def serve(model: Path, prompts: list[list[int]], preset: str, llm: dict, repeats
     return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
 
 
-def check_shape(head_dim, q_heads, kv_heads, dtype, preset) -> dict:
+def shape_id(shape) -> str:
+    head_dim, q_heads, kv_heads, dtype, preset, tp = shape
+    return f"d{head_dim}-{q_heads}q{kv_heads}kv-{dtype}-{preset}" + (f"-tp{tp}" if tp > 1 else "")
+
+
+def check_shape(head_dim, q_heads, kv_heads, dtype, preset, tp) -> dict:
     base = Path(tempfile.mkdtemp(prefix="tq-logits-"))
     weights = make_model(base / "model", head_dim, q_heads, kv_heads, dtype)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (PROMPT_LEN - 40 * i,), generator=gen).tolist() for i in range(3)]
-    whole = serve(base / "model", prompts, preset, {"enforce_eager": True, "enable_prefix_caching": True}, repeats=2)
-    chunked = serve(base / "model", prompts, preset, {"enforce_eager": True, "enable_prefix_caching": False,
-                                                        "max_num_batched_tokens": 64, "enable_chunked_prefill": True})
+    eager = {"enforce_eager": True, "tensor_parallel_size": tp}
+    whole = serve(base / "model", prompts, preset, eager | {"enable_prefix_caching": True}, repeats=2)
+    chunked = serve(base / "model", prompts, preset, eager | {"enable_prefix_caching": False,
+                                                              "max_num_batched_tokens": 64,
+                                                              "enable_chunked_prefill": True})
     report = {}
     other = "tq3" if preset != "tq3" else "tq4"  # a neighbouring quantizer must fit clearly worse
     for name, run in (("prefill+decode", whole[0]), ("chunked", chunked[0])):
@@ -180,19 +190,26 @@ def assert_report(report: dict) -> None:
 
 if pytest is not None:
 
-    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"d{s[0]}-{s[1]}q{s[2]}kv-{s[3]}-{s[4]}")
+    @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
     def test_logits_match_the_quantized_reference(shape):
+        if torch.cuda.device_count() < shape[5]:
+            pytest.skip(f"tensor parallel {shape[5]} needs {shape[5]} GPUs")
         assert_report(check_shape(*shape))
 
 
 if __name__ == "__main__":
     results = {}
     for shape in SHAPES:
+        if sys.argv[1:] and not any(word in shape_id(shape) for word in sys.argv[1:]):
+            continue
+        if torch.cuda.device_count() < shape[5]:
+            results[shape_id(shape)] = f"skipped: tensor parallel {shape[5]} needs {shape[5]} GPUs"
+            continue
         try:
             rep = check_shape(*shape)
             assert_report(rep)
-            results[str(shape)] = dict(rep, ok=True)
+            results[shape_id(shape)] = dict(rep, ok=True)
         except Exception as exc:  # noqa: BLE001 - a report, not a test runner
-            results[str(shape)] = f"FAIL {type(exc).__name__}: {str(exc)[:2000]}"
+            results[shape_id(shape)] = f"FAIL {type(exc).__name__}: {str(exc)[:2000]}"
     print(json.dumps(results, indent=1))
-    sys.exit(0 if all(isinstance(v, dict) for v in results.values()) else 1)
+    sys.exit(0 if results and not any(str(v).startswith("FAIL") for v in results.values()) else 1)
