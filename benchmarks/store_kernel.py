@@ -2,12 +2,15 @@
 prefill-sized batches and several launch configurations, CUDA-graph replay.
 
     python benchmarks/store_kernel.py [block_t,num_warps ...]     # e.g. 16,8 32,8 64,8 64,4 128,8
+    HEAD_DIM=256 python benchmarks/store_kernel.py ...            # another head dimension
 
-Shape: 4 KV heads, d 128 (the e2e model), tq4; the policy row is what store_kv chooses itself.
+Shape: 4 KV heads, d 128 (the e2e model) unless HEAD_DIM says otherwise, tq4; the policy row is what store_kv
+chooses itself.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -18,7 +21,7 @@ from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.kernels import store_kv
 from turboquant_vllm.kernels.store import store_block_tokens
 
-KV_HEADS, HEAD_DIM, BLOCK = 4, 128, 16
+KV_HEADS, HEAD_DIM, BLOCK = 4, int(os.environ.get("HEAD_DIM", 128)), 16
 
 
 def main() -> None:
