@@ -144,7 +144,7 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
         prompts = random_prompts(batch, context)
         # Warm-up: a full run, so the measured pairs meet no first-time code path (decodes riding along shift the
         # prefill chunks; a prefill-only warm-up left tq4's first full run 1.4 s slower, session 10).
-        timed(prompts, GENERATED)
+        warm_up = timed(prompts, GENERATED)
         # Decode time = full run - prefill-only run; each is noisy, so take the median of pairs.
         pairs = [(timed(prompts, 1), timed(prompts, GENERATED)) for _ in range(repeats)]
         shape = f"{batch}x{context // 1024}k"
@@ -154,6 +154,7 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
         row[f"prefill_tok_s_{shape}"] = batch * context / prefill
         row[f"decode_only_tok_s_{shape}"] = statistics.median(f.decode_only_tok_s for _, f in pairs)
         row[f"steps_{shape}"] = [dict(f.summary(), prefill_only_s=p.seconds) for p, f in pairs]  # each pair
+        row[f"warm_up_steps_{shape}"] = warm_up.summary()  # a first-time stall shows here as its slowest step
     if at_limit:  # as many requests as the cache holds, all at once
         n = min(row["kv_tokens"] // (at_limit + at_limit_generate), MAX_SEQS_AT_LIMIT)
         steps = timed(random_prompts(n, at_limit), at_limit_generate)
