@@ -5,7 +5,8 @@ a Llama-shaped model with dummy weights (16 layers, 16 query / 4 KV heads, head_
 prompts of 17..1500 tokens, 32 greedy tokens each. Checks:
 - vLLM's "GPU KV cache size" is >= 3.7x FLASH_ATTN's for tq4 (and follows the preset);
 - full CUDA graphs (FULL_DECODE_ONLY) give the tokens eager mode gives;
-- the V2 model runner and chunked prefill (mixed batches) give the same tokens.
+- the V2 model runner and chunked prefill (mixed batches) give the same tokens;
+- no kernel of ours compiles inside a request (vLLM's JIT monitor logs each one): startup compiled them.
 
 On the GPU machine (see shared/gpu/README.md for the kit):
     source .gpukit/bin/env.sh && python3 tests/vllm/test_gpu_serving.py [WORD...]   # or pytest -m gpu
@@ -95,7 +96,8 @@ def run(name: str) -> dict:
     assert kv, f"{name}: no KV cache size in the log"
     tokens = json.loads(next(line for line in log.splitlines() if line.startswith("RESULT "))[7:])
     startup = [line for line in log.splitlines() if "TurboQuant KV cache: preset" in line]
-    _done[name] = dict(kv_tokens=int(kv.group(1).replace(",", "")), tokens=tokens, startup=startup[:1])
+    jit = sorted(set(re.findall(r"JIT compilation during inference: (\w+)", log)))
+    _done[name] = dict(kv_tokens=int(kv.group(1).replace(",", "")), tokens=tokens, startup=startup[:1], jit=jit)
     return _done[name]
 
 
@@ -132,6 +134,13 @@ def test_chunked_prefill_gives_the_same_tokens():
     assert agreement(chunked, whole) >= 0.9
 
 
+def test_no_kernel_of_ours_compiles_inside_a_request():
+    ours = ("_store_kv_kernel", "_dequant_kernel", "_attention_kernel", "_decode_kernel", "_rotate_queries_kernel",
+            "_merge_and_unrotate_kernel")
+    for name in ("tq4", "tq4_eager", "tq4_chunked"):
+        assert not [k for k in run(name)["jit"] if k in ours], (name, run(name)["jit"])
+
+
 if __name__ == "__main__":
     report = {}
     words = sys.argv[1:]
@@ -148,6 +157,7 @@ if __name__ == "__main__":
         name: {
             "kv_tokens": r["kv_tokens"],
             "startup": r["startup"],
+            "jit_inside_requests": r["jit"],
             "agree_with_flash": round(agreement(r["tokens"], flash["tokens"]), 3) if flash else None,
         }
         for name, r in _done.items()

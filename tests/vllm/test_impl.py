@@ -164,3 +164,24 @@ def test_profiling_run_without_metadata_zeroes_the_output(vllm_config, bf16_defa
     assert not out.any()
     # before the cache is bound, storing is a no-op
     layer.impl.do_kv_cache_update(layer, q[:, :8], q[:, :8], torch.empty(0), torch.zeros(3, dtype=torch.int64))
+
+
+def test_loaded_layers_warm_the_kernels_up_once_per_shape(vllm_config, bf16_default, monkeypatch):
+    """Weight loading compiles the kernels (kernels.warmup) once per layer shape, with the cache's
+    block size, the layer's query heads, window and soft-cap."""
+    from turboquant_vllm import kernels
+    from turboquant_vllm.vllm import backend
+
+    calls = []
+    monkeypatch.setattr(kernels, "warm_up", lambda layout, dtype, q_heads, device, **kw: calls.append(
+        (layout.block_size, layout.num_kv_heads, dtype, q_heads, kw["sliding_window"], kw["softcap"])))
+    monkeypatch.setattr(backend, "_logged", set())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    vllm_config.cache_config.block_size = 32
+    layers = make_layers(vllm_config, 2, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    layers += make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, first=2,
+                          per_layer_sliding_window=8)
+    for layer in layers:
+        layer.impl._warm_up(torch.float16, torch.device("cpu"))
+    assert calls == [(32, KV_HEADS, torch.float16, Q_HEADS, None, None),
+                     (32, KV_HEADS, torch.float16, Q_HEADS, 8, None)]

@@ -97,7 +97,8 @@ def _value_norm_terms(v_norm, UPCAST: tl.constexpr):
     return log_norm, inv_norm
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # changes with every batch: no recompiles mid-serving
+# num_seqs changes with every batch, stride_bt with max_model_len: neither recompiles (kernels.warmup)
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(
     q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
     part_acc_ptr, part_ml_ptr,
@@ -225,7 +226,7 @@ def _attention_kernel(
     tl.store(ml + NUM_SPLITS, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block table's width: one compile for all (kernels.warmup)
 def _decode_kernel(
     q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr, part_acc_ptr, part_ml_ptr,
     stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,

@@ -21,11 +21,13 @@ from ..core.layout import CacheLayout
 from .common import INTERPRETED, next_pow2, round_to
 from .constants import kernel_constants
 
+LARGE_ROWS = 4096  # rows (tokens x query heads) above which a launch takes the wide tiles
+
 
 def launch_shape(rows: int, head_dim: int) -> tuple[int, int]:
     """(rows per program, warps): 16 rows spread a decode step's few over many SMs; 64 rows (8 warps,
     to hold the accumulator without spilling) read R (64 KB at d 128) 4x less often from L2."""
-    return (64, 8) if rows > 4096 and head_dim <= 128 else (16, 4)
+    return (64, 8) if rows > LARGE_ROWS and head_dim <= 128 else (16, 4)
 
 
 @triton.jit

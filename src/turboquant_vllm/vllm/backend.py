@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,7 +52,7 @@ NUM_SMS_FALLBACK = 132  # H200, where no device can be asked (CPU tests)
 # spec (engine side) and get_kv_cache_shape (worker side, which gets no config) agree.
 # ---------------------------------------------------------------------------------------------
 _process_preset: Preset | None = None
-_logged: set[tuple[str, int]] = set()
+_logged: set[tuple] = set()  # what was logged or warmed up once per process
 
 
 # From this many prefill tokens in a step, expanding the context once and running FlashAttention
@@ -568,6 +569,30 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
 
             layout = _layout(self.preset, self.head_size, self.num_kv_heads, KERNEL_BLOCK_MULTIPLE)
             kernel_constants(layout, device)
+            self._warm_up(act_dtype, device)
+
+    def _warm_up(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile the kernels now, once per layer shape, instead of inside the first requests (kernels.warmup)."""
+        from ..kernels import warm_up
+
+        cache_config = getattr(self.vllm_config, "cache_config", None)
+        block_size = getattr(cache_config, "block_size", None) or KERNEL_BLOCK_MULTIPLE
+        layout = _layout(self.preset, self.head_size, self.num_kv_heads, block_size)
+        key = ("warm-up", layout, dtype, self.num_heads, self.sliding_window, self.softcap,
+               self.key_calibration is not None)
+        if key in _logged:
+            return
+        _logged.add(key)
+        start = time.perf_counter()
+        # Every split count a decode batch can take: graph capture compiles those of the captured sizes only.
+        max_seqs = getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", None) or 1
+        splits = {decode_num_splits(b, self.num_kv_heads, num_sms()) for b in range(1, max_seqs + 1)}
+        warm_up(layout, dtype, self.num_heads, device, sliding_window=self.sliding_window, softcap=self.softcap,
+                key_calibration=self.key_calibration, dense_prefill=compat.flash_attn_varlen() is not None,
+                decode_splits=splits)
+        torch.cuda.synchronize(device)
+        logger.info("TurboQuant kernels ready in %.1f s (compiled now rather than inside the first requests)",
+                    time.perf_counter() - start)
 
     def _statistics(self) -> KeyStatistics:
         return key_statistics.setdefault(self.layer_name, KeyStatistics(self.num_kv_heads, self.head_size))
