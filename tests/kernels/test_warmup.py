@@ -66,9 +66,13 @@ def test_serving_shapes_compile_nothing_after_warm_up(preset, head_dim, dtype):
     store_kv(k, v, cache, slots, layout)  # >= STORE_LARGE_BATCH tokens: the large tiles
     store_kv(k[:40], v[:40], cache, slots[:40], layout)  # a short prefill: the small ones
     dequantize_pages(cache, layout, block_table, seq_lens, cu, 586, 500, dtype)
+    # A mixed batch's prefill rows: metadata slices that start mid-tensor (pointers at any alignment).
+    dequantize_pages(cache, layout, block_table[1:], seq_lens[1:], cu[1:] - 500, 86, 77, dtype)
     out = torch.full_like(q[:586], float("nan"))
     paged_attention(q[:586], cache, layout, block_table, cu, seq_lens, max_query_len=500, scale=head_dim**-0.5,
                     out=out)
+    paged_attention(q[:86], cache, layout, block_table[1:], cu[1:] - 500, seq_lens[1:], max_query_len=77,
+                    scale=head_dim**-0.5, out=out[:86])
     decode_out = torch.full_like(q[:3], float("nan"))
     paged_attention(q[:3], cache, layout, block_table, torch.arange(4, dtype=torch.int32, device=device), seq_lens,
                     max_query_len=1, scale=head_dim**-0.5, out=decode_out)  # 3 decodes, the policy's split count

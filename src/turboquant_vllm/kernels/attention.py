@@ -97,8 +97,10 @@ def _value_norm_terms(v_norm, UPCAST: tl.constexpr):
     return log_norm, inv_norm
 
 
-# num_seqs changes with every batch, stride_bt with max_model_len: neither recompiles (kernels.warmup)
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# num_seqs changes with every batch, stride_bt with max_model_len, and a mixed batch's prefill rows start
+# mid-tensor (any alignment): none of them recompiles (kernels.warmup)
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["block_table_ptr", "qsl_ptr", "seq_lens_ptr"])
 def _attention_kernel(
     q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
     part_acc_ptr, part_ml_ptr,

@@ -50,7 +50,9 @@ def _expand(cache_ptr, page, off, n_ok, lut_ptr, rot_ptr, scale_ptr, out_ptr, ro
                  round_to(x, out_ptr.dtype.element_ty, INTERPRET), mask=n_ok[:, None] & (j[None, :] < HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block table's width: one compile for all (kernels.warmup)
+# The block table's width, and where a mixed batch's prefill rows start: one compile for all (kernels.warmup)
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_k_ptr"])
 def _dequant_kernel(
     cache_ptr, block_table_ptr, seq_lens_ptr, cu_k_ptr, k_lut_ptr, v_lut_ptr, rot_ptr, key_scale_ptr, k_out_ptr,
     v_out_ptr, stride_bt, stride_cblock, stride_chead, stride_ot, stride_oh,
