@@ -54,7 +54,8 @@ def warm_up(
         paged_attention(query, cache, layout, block_table, starts, seq_lens, max_query_len=length, scale=d**-0.5,
                         out=torch.empty_like(query), sliding_window=sliding_window, softcap=softcap,
                         key_calibration=key_calibration)
-    query = torch.randn(1, num_q_heads, d, dtype=dtype, device=device)
+    query = torch.randn(1, num_q_heads, d, dtype=dtype, device=device)  # one decode over the longest context
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for splits in sorted(set(decode_splits)):
         paged_attention(query, cache, layout, block_table, starts, seq_lens, max_query_len=1, scale=d**-0.5,
                         out=torch.empty_like(query), sliding_window=sliding_window, softcap=softcap,
