@@ -85,7 +85,9 @@ def compiled(fn, consts: dict, pointers: dict, options: dict, out: Path, divisib
     names = fn.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in consts else "fp32" if n in ("softcap", "k_step") else "i32")
                  for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
+    # What the kernel declines to specialize (do_not_specialize[_on_alignment]) compiles without the hint, as it runs.
+    kept = {p.name for p in fn.params if not (p.do_not_specialize or p.do_not_specialize_on_alignment)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible and n in kept}
     kernel = triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     out.mkdir(parents=True, exist_ok=True)
     for key in ("ttgir", "ptx"):

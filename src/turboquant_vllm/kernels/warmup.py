@@ -45,16 +45,21 @@ def warm_up(
     for block_t in sorted({store_block_tokens(1), store_block_tokens(STORE_LARGE_BATCH)}):
         store_kv(key, value, cache, slots, layout, key_calibration, block_t=block_t)
     block_table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+
+    def sequence(length: int) -> tuple[torch.Tensor, torch.Tensor]:  # its seq_lens and query / context starts
+        return (torch.tensor([length], dtype=torch.int32, device=device),
+                torch.tensor([0, length], dtype=torch.int32, device=device))
+
     for length in lengths:
-        seq_lens = torch.tensor([length], dtype=torch.int32, device=device)
-        starts = torch.tensor([0, length], dtype=torch.int32, device=device)  # query / context rows
-        if dense_prefill:
-            dequantize_pages(cache, layout, block_table, seq_lens, starts, length, length, dtype, key_calibration)
+        seq_lens, starts = sequence(length)
         query = torch.randn(length, num_q_heads, d, dtype=dtype, device=device)
         paged_attention(query, cache, layout, block_table, starts, seq_lens, max_query_len=length, scale=d**-0.5,
                         out=torch.empty_like(query), sliding_window=sliding_window, softcap=softcap,
                         key_calibration=key_calibration)
-    query = torch.randn(1, num_q_heads, d, dtype=dtype, device=device)  # one decode over the longest context
+    seq_lens, starts = sequence(n)
+    if dense_prefill:  # one binary whatever the lengths
+        dequantize_pages(cache, layout, block_table, seq_lens, starts, n, n, dtype, key_calibration)
+    query = torch.randn(1, num_q_heads, d, dtype=dtype, device=device)  # one decode over the whole context
     starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for splits in sorted(set(decode_splits)):
         paged_attention(query, cache, layout, block_table, starts, seq_lens, max_query_len=1, scale=d**-0.5,
