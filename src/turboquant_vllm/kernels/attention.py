@@ -28,8 +28,8 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import (INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, mma, next_pow2,
-                     page_constants, pair_index)
+from .common import (INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, locate_tokens, mma,
+                     next_pow2, page_constants, pair_index)
 from .constants import kernel_constants
 from .rotation import merge_and_unrotate, rotate_queries
 from .store import check_cache, check_calibration
@@ -92,7 +92,7 @@ def _value_norm_terms(v_norm, UPCAST: tl.constexpr):
         log_norm = tl.log2(v_norm)
         inv_norm = 1.0 / v_norm
     else:  # the hardware's approximations (~2^-22 relative): the libdevice log2 is a branchy routine
-        log_norm, inv_norm = tl.inline_asm_elementwise("lg2.approx.f32 $0, $2; rcp.approx.f32 $1, $2;", "=r,=r,r",
+        log_norm, inv_norm = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $2; rcp.approx.ftz.f32 $1, $2;", "=r,=r,r",
                                                        [v_norm], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     return log_norm, inv_norm
 
@@ -171,12 +171,11 @@ def _attention_kernel(
     acc_even = tl.zeros((BLOCK_M, DH), tl.float32)
     acc_odd = tl.zeros((BLOCK_M, DH), tl.float32)
     cols = tl.arange(0, BLOCK_N)
+    head_base = (kv_head * stride_chead).to(tl.uint64)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + cols
         n_ok = n < end
-        phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        page = phys * stride_cblock + kv_head * stride_chead
-        off = n % BLOCK_SIZE
+        page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock, head_base, BLOCK_SIZE)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
         if K_BITS == 4:
@@ -269,10 +268,13 @@ def _decode_kernel(
     if K_BITS == 4:
         qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = _int8_query(q_row[:, None], row_ok, k_step, HEAD_DIM, DH,
                                                                  SCORE_UNIT)
-        qa_hi = tl.broadcast_to(qa_hi[None, :, :], (WARPS, ROWS, DH))  # every warp its own copy: batched MMA operands
-        qb_hi = tl.broadcast_to(qb_hi[None, :, :], (WARPS, ROWS, DH))
-        qa_lo = tl.broadcast_to(qa_lo[None, :, :], (WARPS, ROWS, DH))
-        qb_lo = tl.broadcast_to(qb_lo[None, :, :], (WARPS, ROWS, DH))
+        # hi parts in rows 0 .. ROWS - 1, lo parts below: one MMA per key tile fills the 16 rows an MMA takes (a
+        # padded row would be a copy, and ptxas moves copies into place before every MMA), and a thread holds row
+        # r with row r + ROWS, so combining hi and lo stays in registers.
+        qa = tl.reshape(tl.permute(tl.join(qa_hi, qa_lo), (2, 0, 1)), (2 * ROWS, DH))
+        qb = tl.reshape(tl.permute(tl.join(qb_hi, qb_lo), (2, 0, 1)), (2 * ROWS, DH))
+        qa = tl.broadcast_to(qa[None, :, :], (WARPS, 2 * ROWS, DH))  # every warp its own copy: batched MMA operands
+        qb = tl.broadcast_to(qb[None, :, :], (WARPS, 2 * ROWS, DH))
     else:
         q_even, q_odd = _query_halves(q_row[:, None], row_ok, K_BITS, HEAD_DIM, DH)
         q_even = tl.broadcast_to(q_even[None, :, :], (WARPS, ROWS, DH))
@@ -293,22 +295,21 @@ def _decode_kernel(
     acc_e1 = tl.zeros((WARPS, DC, ROWS), tl.float32)
     acc_o1 = tl.zeros((WARPS, DC, ROWS), tl.float32)
     slot = tl.arange(0, WARPS)[:, None] * WARP_N + tl.arange(0, WARP_N)[None, :]  # (warp, token) -> tile offset
+    head_base = (kv_head * stride_chead).to(tl.uint64)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + slot
         n_ok = n < end  # the one query is the last token: this is the causal mask too
         if USE_WINDOW:
             n_ok &= n >= seq_len - sliding_window
-        phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        page = phys * stride_cblock + kv_head * stride_chead
-        off = n % BLOCK_SIZE
+        page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock, head_base, BLOCK_SIZE)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
         k_rec = (page + off * K_CODE_BYTES)[:, None, :]
         if K_BITS == 4:
             ka, kb = load_int8_quads(cache_ptr, k_rec, n_ok[:, None, :], k_lut_ptr, K_ASM, HEAD_DIM, D_PAD, AXIS=1)
-            s = _int_mma(qb_hi, kb, _int_mma(qa_hi, ka, tl.zeros((WARPS, ROWS, WARP_N), tl.int32), UPCAST), UPCAST)
-            s = _int_mma(qb_lo, kb, _int_mma(qa_lo, ka, s * 254, UPCAST), UPCAST)
-            s = (s.to(tl.float32) * q_gain[None, :, None] + q_half[None, :, None]) * k_norm[:, None, :]
+            s = _int_mma(qb, kb, _int_mma(qa, ka, tl.zeros((WARPS, 2 * ROWS, WARP_N), tl.int32), UPCAST), UPCAST)
+            s_hi, s_lo = tl.split(tl.permute(tl.reshape(s, (WARPS, 2, ROWS, WARP_N)), (0, 2, 3, 1)))
+            s = ((s_hi * 254 + s_lo).to(tl.float32) * q_gain[None, :, None] + q_half[None, :, None]) * k_norm[:, None, :]
         else:
             k_even, k_odd = load_halves(cache_ptr, k_rec, n_ok[:, None, :], k_lut_ptr, K_ASM, K_BITS, HEAD_DIM, DH,
                                         AXIS=1)

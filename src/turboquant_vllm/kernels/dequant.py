@@ -19,8 +19,8 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import (INTERPRETED, check_dtype, check_index, load_halves, mma, next_pow2, page_constants, pair_index,
-                     round_to)
+from .common import (INTERPRETED, check_dtype, check_index, load_halves, locate_tokens, mma, next_pow2, page_constants,
+                     pair_index, round_to)
 from .constants import kernel_constants
 from .store import check_cache
 
@@ -69,9 +69,8 @@ def _dequant_kernel(
         return
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < seq_len
-    phys = tl.load(block_table_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    page = phys * stride_cblock + head * stride_chead
-    off = n % BLOCK_SIZE
+    page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock,
+                              (head * stride_chead).to(tl.uint64), BLOCK_SIZE)
     row = tl.load(cu_k_ptr + seq) + n
     _expand(cache_ptr, page, off, n_ok, k_lut_ptr, rot_ptr, key_scale_ptr, k_out_ptr, row, head, stride_ot, stride_oh,
             CALIBRATED, K_ASM, K_BITS, 0, K_CODE_BYTES, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_J, INTERPRET)

@@ -115,6 +115,8 @@ def check_cache(kv_cache: torch.Tensor, layout: CacheLayout) -> None:
         )
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != layout.head_page_bytes:
         raise ValueError("each block of kv_cache must be contiguous")
+    if kv_cache.stride(0) >= 2**31:  # the readers multiply it unsigned 32 x 32 -> 64 bits (common.locate_tokens)
+        raise ValueError(f"a block of kv_cache spans {kv_cache.stride(0)} bytes; at most 2^31 - 1 are supported")
 
 
 def check_calibration(key_calibration: KeyCalibration, layout: CacheLayout) -> None:
