@@ -90,7 +90,7 @@ def main() -> None:
 
 def sweep(shapes, gen) -> None:
     """Tile, warp, pipeline-stage and split choices of ours (tq4), one line each."""
-    configs = [(n, w, st) for n, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (1, 2, 3)]
+    configs = [(n, w, st) for n, w in ((32, 1), (64, 1), (64, 2), (128, 4), (256, 8)) for st in (2, 3, 4)]
     for batch, context in shapes:
         b = Batch(Shape(batch, context, Q_HEADS, KV_HEADS, HEAD_DIM), gen)
         base = default_num_splits(batch, KV_HEADS)

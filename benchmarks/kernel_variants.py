@@ -2,9 +2,11 @@
 plus the relative error against core.reference on 2 sequences (one with a ragged tail).
 
     git archive <commit> src | tar -x -C build/base       # one tree per version to compare
-    python benchmarks/kernel_variants.py build/base [name=warps,block_n,maxnreg[,stages] ...]  # maxnreg 0: no cap
+    python benchmarks/kernel_variants.py build/base [name=warps,block_n,maxnreg[,stages[,splits]]] ...]  # maxnreg 0:
+                                                          # no cap; splits 0: the policy's
     MORE=1 python benchmarks/kernel_variants.py ...       # also k4v3, tq3 and tq4 at head_dim 256 / 64
     PRESETS=tq3,k5v4 python benchmarks/kernel_variants.py ...  # also these presets at 16 / 4, 64 x 8k and 32 x 32k
+    BASE=0 ...                                            # without the three tq4 d 128 shapes
 
 Shapes: 16 q / 4 KV heads at 64 x 8k and 32 x 32k, 32 / 8 at 64 x 8k (d 128); value norms spread over 4x.
 """
@@ -25,7 +27,7 @@ from turboquant_vllm.core.layout import CacheLayout  # noqa: E402
 from turboquant_vllm.core.presets import get_preset  # noqa: E402
 from turboquant_vllm.core.reference import paged_attention_reference  # noqa: E402
 from turboquant_vllm.kernels import paged_attention, store_kv  # noqa: E402
-from turboquant_vllm.kernels.attention import attention_workspace_shape, default_num_splits  # noqa: E402
+from turboquant_vllm.kernels.attention import attention_workspace_shape, default_num_splits, per_warp_decode  # noqa: E402,E501
 
 BLOCK = 16
 TAG = os.path.basename(TREE.rstrip("/"))
@@ -35,8 +37,10 @@ def configs(specs: list[str]) -> dict[str, dict]:
     out = {"policy": {}}  # the launch paged_attention chooses itself
     for spec in specs:
         name, values = spec.split("=")
-        warps, block_n, regs, *stages = map(int, values.split(","))
-        out[name] = {"num_warps": warps, "block_n": block_n, "max_registers": regs, "num_stages": (stages or [3])[0]}
+        warps, block_n, regs, *rest = map(int, values.split(","))
+        stages, splits = (rest + [3, 0])[:2]
+        out[name] = {"num_warps": warps, "block_n": block_n, "max_registers": regs, "num_stages": stages,
+                     **({"num_splits": splits} if splits else {})}
     return out
 
 
@@ -58,15 +62,18 @@ def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx:
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     q = (torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     out = torch.empty_like(q)
-    splits = default_num_splits(batch, kv_heads)
-    ws = torch.empty(attention_workspace_shape(batch, q_heads, head_dim, splits), dtype=torch.float32, device="cuda")
+    splits = default_num_splits(batch, kv_heads, per_warp=per_warp_decode(layout.preset))
     q2, lens2 = q[:2], seq_lens[:2].clamp(max=3000)
     ref = paged_attention_reference(q2, cache, layout, table, qsl[:3], lens2, head_dim**-0.5)
     shape_name = f"{TAG:8s} {preset} d{head_dim} {q_heads}/{kv_heads} {batch}x{ctx}"
     for name, kw in variants.items():
-        def step(kw=kw):
+        kw = {"num_splits": splits, **kw}
+        ws = torch.empty(attention_workspace_shape(batch, q_heads, head_dim, kw["num_splits"]), dtype=torch.float32,
+                         device="cuda")
+
+        def step(kw=kw, ws=ws):
             paged_attention(q, cache, layout, table, qsl, seq_lens, max_query_len=1, scale=head_dim**-0.5, out=out,
-                            workspace=ws, num_splits=splits, **kw)
+                            workspace=ws, **kw)
         try:
             step()
             torch.cuda.synchronize()
@@ -87,8 +94,9 @@ def main() -> None:
     variants = configs(sys.argv[2:])
     print(torch.cuda.get_device_name(), TAG)
     for q_heads, kv_heads, batch, ctx in [(16, 4, 64, 8192), (16, 4, 32, 32768), (32, 8, 64, 8192)]:
-        run(variants, q_heads, kv_heads, batch, ctx)
-        torch.cuda.empty_cache()
+        if os.environ.get("BASE", "1") != "0":
+            run(variants, q_heads, kv_heads, batch, ctx)
+            torch.cuda.empty_cache()
     if os.environ.get("MORE"):
         for preset in ("k4v3", "tq3"):
             run(variants, 16, 4, 64, 8192, preset)

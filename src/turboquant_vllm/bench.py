@@ -16,7 +16,7 @@ import torch
 from .core.layout import CacheLayout
 from .core.presets import get_preset
 from .kernels import paged_attention, store_kv
-from .kernels.attention import attention_workspace_shape, default_num_splits
+from .kernels.attention import attention_workspace_shape, default_num_splits, per_warp_decode
 
 BLOCK = 16
 
@@ -90,7 +90,7 @@ def ours(b: Batch, preset: str, splits: int | None = None, **tuning) -> tuple[Ca
     for ids, k, v in b.slot_chunks():
         slots = (ids[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()
         store_kv(k, v, cache, slots, layout)
-    splits = splits or default_num_splits(s.batch, s.kv_heads)
+    splits = splits or default_num_splits(s.batch, s.kv_heads, per_warp=per_warp_decode(layout.preset))
     ws = torch.empty(attention_workspace_shape(s.batch, s.q_heads, s.head_dim, splits), dtype=torch.float32,
                      device="cuda")
     out = torch.empty_like(b.query)

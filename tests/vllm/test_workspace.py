@@ -8,7 +8,9 @@ import torch
 from vllm.utils.math_utils import round_up
 
 from tests.vllm.conftest import make_builder, make_cam, make_layers, workspace_bytes
+from turboquant_vllm.core.presets import DEFAULT_PRESET, get_preset
 from turboquant_vllm.kernels import attention_workspace_shape, default_num_splits
+from turboquant_vllm.kernels.attention import per_warp_decode
 from turboquant_vllm.vllm.backend import max_workspace_elems, workspace_elems
 
 
@@ -18,7 +20,7 @@ def test_more_layers_add_no_scratch(vllm_config, workspace, bf16_default):
     reserved = workspace_bytes(workspace)
     sched = vllm_config.scheduler_config
     max_tokens = max(sched.max_num_batched_tokens, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-    elems = max_workspace_elems(32, 8, 128, max_tokens, sched.max_num_seqs, 132)
+    elems = max_workspace_elems(32, 8, 128, max_tokens, sched.max_num_seqs, 132, get_preset(DEFAULT_PRESET))
     assert reserved == round_up(elems * 4, 256) > 0
     make_layers(vllm_config, 31, first=1)
     assert workspace_bytes(workspace) == reserved
@@ -27,13 +29,15 @@ def test_more_layers_add_no_scratch(vllm_config, workspace, bf16_default):
     assert builder.workspace_elems == elems
 
 
-def test_reservation_covers_every_step(vllm_config):
+@pytest.mark.parametrize("preset", ["tq4", "k5v4"])  # the two decode kernels split differently
+def test_reservation_covers_every_step(vllm_config, preset):
     sched = vllm_config.scheduler_config
     q_heads, kv_heads, d, sms = 32, 8, 128, 132
-    most = max_workspace_elems(q_heads, kv_heads, d, sched.max_num_batched_tokens, sched.max_num_seqs, sms)
+    p = get_preset(preset)
+    most = max_workspace_elems(q_heads, kv_heads, d, sched.max_num_batched_tokens, sched.max_num_seqs, sms, p)
     assert most >= attention_workspace_shape(sched.max_num_batched_tokens, q_heads, d, 1)[0]
     for seqs in range(1, sched.max_num_seqs + 1):
-        splits = default_num_splits(seqs, kv_heads, sms)
+        splits = default_num_splits(seqs, kv_heads, sms, per_warp_decode(p))
         assert most >= attention_workspace_shape(seqs, q_heads, d, splits)[0]
         # a mixed step: seqs decodes, the rest of the token budget as prefill
         assert most >= workspace_elems(seqs, sched.max_num_batched_tokens - seqs, splits, q_heads, d)
@@ -68,9 +72,11 @@ def test_no_workspace_manager_no_reservation(vllm_config, bf16_default):
 
 
 @pytest.mark.parametrize("sms", [78, 132])
-def test_split_choice_is_the_kernels_and_fixed_by_batch_shape(sms):
+@pytest.mark.parametrize("preset", ["tq4", "k5v4"])
+def test_split_choice_is_the_kernels_and_fixed_by_batch_shape(sms, preset):
     from turboquant_vllm.vllm.backend import decode_num_splits
 
+    p = get_preset(preset)
     for seqs in (1, 2, 3, 8, 64, 256):
-        assert decode_num_splits(seqs, 8, sms) == default_num_splits(seqs, 8, sms)
-    assert decode_num_splits(0, 8, sms) == 1
+        assert decode_num_splits(seqs, 8, sms, p) == default_num_splits(seqs, 8, sms, per_warp_decode(p))
+    assert decode_num_splits(0, 8, sms, p) == 1

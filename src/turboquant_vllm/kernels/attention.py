@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
+from ..core.presets import Preset
 from .common import (INTERPRETED, check_dtype, check_index, load_halves, load_int8_quads, locate_tokens, mma,
                      next_pow2, page_constants, pair_index)
 from .constants import kernel_constants
@@ -360,28 +361,28 @@ def _decode_kernel(
     tl.store(ml + NUM_SPLITS, tl.sum(l_i * w, axis=0), mask=row_ok)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_DEFAULT) -> int:
-    """Splits so that sequences x KV heads x splits fill the SMs; depends on batch shape only (graph-safe)."""
+def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_DEFAULT, per_warp: bool = True) -> int:
+    """Splits so that sequences x KV heads x splits give every SM enough programs: 24 of _decode_kernel's one-warp
+    programs (16 to 31 measured best, benchmarks/results/decode_kernel_session12.log), 2 of the general kernel's
+    four-warp ones (per_warp False: per_warp_decode). Depends on batch shape only (graph-safe)."""
     programs = max(1, num_seqs * num_kv_heads)
-    return max(1, min(32, next_pow2(math.ceil(2 * num_sms / programs))))
+    return max(1, min(32, next_pow2(math.ceil((24 if per_warp else 2) * num_sms / programs))))
 
 
-def per_warp_decode(layout: CacheLayout) -> bool:
+def per_warp_decode(preset: Preset) -> bool:
     """Decode runs _decode_kernel except over 5-bit keys: their table gathers made k5v4 1.8x slower there than in
     the general kernel (benchmarks/results/decode_kernel_session9.log)."""
-    return layout.preset.k_bits != 5
+    return preset.k_bits != 5
 
 
 def decode_max_registers(layout: CacheLayout) -> int:
-    """Registers per thread for decode, where measured to pay (0: the compiler's choice). tq4 at head_dim <= 128:
-    128 (4 blocks per SM instead of 3): 1.04x faster at head_dim 128, neutral at 64, 2.6x slower at 256
-    (decode_kernel_session7.log). The narrower presets in _decode_kernel at head_dim 65..128: 168 (3 blocks per SM),
-    1.05-1.08x faster than uncapped, while 128 spills (decode_kernel_session9.log). The general kernel loses with
-    any cap (decode_kernel_registers.log)."""
-    if not per_warp_decode(layout):
+    """Registers per thread for decode, where measured to pay (0: the compiler's choice). One-warp programs of
+    _decode_kernel (decode_kernel_session12.log): tq4 uncapped at every head dim (168 at head_dim 128; a cap of 128
+    1.02x slower, 168 at head_dim 256 1.2x); the narrower presets at head_dim 65..128 168 (tq3 1.05x, tq2 1.09x
+    faster than uncapped, k4v3 even). The general kernel loses with any cap (decode_kernel_registers.log)."""
+    preset = layout.preset
+    if not per_warp_decode(preset) or (preset.k_bits == 4 and preset.v_bits == 4):
         return 0
-    if layout.preset.k_bits == 4 and layout.preset.v_bits == 4:
-        return 128 if layout.head_dim <= 128 else 0
     return 168 if next_pow2(layout.head_dim) == 128 else 0
 
 
@@ -405,8 +406,8 @@ def paged_attention(
     softcap: float | None = None,
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = 128,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 3,
     key_calibration: KeyCalibration | None = None,
     max_registers: int | None = None,
@@ -435,10 +436,15 @@ def paged_attention(
     decode_only = max_query_len == 1
     block_q = 1 if decode_only else max(1, 64 // g_pad)
     block_m = max(16, block_q * g_pad)
+    per_warp = decode_only and per_warp_decode(layout.preset)
+    # One warp per decode program: no barrier ties a warp to the others' progress (1.13x at tq4, 1.26-1.45x at the
+    # narrower presets, decode_kernel_session12.log); the general kernel's tiles take four.
+    num_warps = num_warps or (1 if per_warp else 4)
+    block_n = block_n or 32 * num_warps
     if max_registers is None:
         max_registers = decode_max_registers(layout) if decode_only else 0
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, layout.num_kv_heads) if decode_only else 1
+        num_splits = default_num_splits(num_seqs, layout.num_kv_heads, per_warp=per_warp) if decode_only else 1
     num_splits = next_pow2(num_splits)
     need = attention_workspace_shape(num_tokens, num_q_heads, head_dim, num_splits)[0]
     if workspace is None:
@@ -463,7 +469,7 @@ def paged_attention(
     )
     k_table = c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16]
     strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
-    if decode_only and per_warp_decode(layout):
+    if per_warp:
         _decode_kernel[(num_seqs, layout.num_kv_heads, num_splits)](
             q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
             part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,

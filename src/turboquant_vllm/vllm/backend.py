@@ -173,10 +173,10 @@ def num_sms() -> int:
     return compat.num_compute_units() or NUM_SMS_FALLBACK
 
 
-def decode_num_splits(num_decodes: int, num_kv_heads: int, sms: int) -> int:
-    from ..kernels import default_num_splits
+def decode_num_splits(num_decodes: int, num_kv_heads: int, sms: int, preset: Preset) -> int:
+    from ..kernels.attention import default_num_splits, per_warp_decode
 
-    return default_num_splits(num_decodes, num_kv_heads, sms) if num_decodes else 1
+    return default_num_splits(num_decodes, num_kv_heads, sms, per_warp_decode(preset)) if num_decodes else 1
 
 
 def workspace_elems(
@@ -192,17 +192,18 @@ def workspace_elems(
 
 @functools.lru_cache(maxsize=None)
 def max_workspace_elems(
-    num_q_heads: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_seqs: int, sms: int
+    num_q_heads: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_seqs: int, sms: int, preset: Preset
 ) -> int:
     """The most any step can need: a full prefill budget unsplit, or any decode batch split."""
     most = workspace_elems(0, max_tokens, 1, num_q_heads, head_dim)
     for seqs in range(1, min(max_seqs, max_tokens) + 1):
-        splits = decode_num_splits(seqs, num_kv_heads, sms)
+        splits = decode_num_splits(seqs, num_kv_heads, sms, preset)
         most = max(most, workspace_elems(seqs, 0, splits, num_q_heads, head_dim))
     return most
 
 
-def reserve_workspace(vllm_config: Any, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int | None:
+def reserve_workspace(vllm_config: Any, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                      preset: Preset) -> int | None:
     """Grow vLLM's shared workspace to the maximum this backend can ask for; idempotent across layers."""
     manager = compat.workspace_manager()
     if manager is None or vllm_config is None:
@@ -212,7 +213,8 @@ def reserve_workspace(vllm_config: Any, num_q_heads: int, num_kv_heads: int, hea
         scheduler.max_num_batched_tokens,
         getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0,
     )
-    elems = max_workspace_elems(num_q_heads, num_kv_heads, head_dim, max_tokens, scheduler.max_num_seqs, num_sms())
+    elems = max_workspace_elems(num_q_heads, num_kv_heads, head_dim, max_tokens, scheduler.max_num_seqs, num_sms(),
+                                preset)
     manager.get_simultaneous(((elems,), torch.float32))
     return elems
 
@@ -407,7 +409,8 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         self.num_sms = num_sms()
         # Decodes first; speculative verifications (query length > 1) go to the general kernel.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
-        self.workspace_elems = reserve_workspace(vllm_config, self.num_q_heads, self.num_kv_heads, self.head_dim)
+        self.workspace_elems = reserve_workspace(vllm_config, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                                 self.preset)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
@@ -434,7 +437,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         num_prefills = num_reqs - num_decodes
         num_prefill_tokens = num_tokens - num_decode_tokens
 
-        splits = decode_num_splits(num_decodes, self.num_kv_heads, self.num_sms)
+        splits = decode_num_splits(num_decodes, self.num_kv_heads, self.num_sms, self.preset)
         decode_qsl = decode_seq_lens = decode_bt = None
         if num_decodes:
             whole = num_prefills == 0  # persistent buffers as they are: safe to capture
@@ -538,7 +541,7 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         compat.install_kv_cache_spec_hook()
         # Reserved here, during model construction, so vLLM's memory profile counts the scratch
         # before it sizes the KV cache; every later layer finds it big enough.
-        reserve_workspace(vllm_config, num_heads, self.num_kv_heads, head_size)
+        reserve_workspace(vllm_config, num_heads, self.num_kv_heads, head_size, self.preset)
         self.vllm_config = vllm_config
         self.collect_statistics = os.environ.get(COLLECT_ENV) == "1"
         self.calibration_path = resolve_calibration_path(vllm_config)
@@ -586,7 +589,7 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         start = time.perf_counter()
         # Every split count a decode batch can take: graph capture compiles those of the captured sizes only.
         max_seqs = getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", None) or 1
-        splits = {decode_num_splits(b, self.num_kv_heads, num_sms()) for b in range(1, max_seqs + 1)}
+        splits = {decode_num_splits(b, self.num_kv_heads, num_sms(), self.preset) for b in range(1, max_seqs + 1)}
         warm_up(layout, dtype, self.num_heads, device, sliding_window=self.sliding_window, softcap=self.softcap,
                 key_calibration=self.key_calibration, dense_prefill=compat.flash_attn_varlen() is not None,
                 decode_splits=splits)
