@@ -7,6 +7,7 @@ plus the relative error against core.reference on 2 sequences (one with a ragged
     MORE=1 python benchmarks/kernel_variants.py ...       # also k4v3, tq3 and tq4 at head_dim 256 / 64
     PRESETS=tq3,k5v4 python benchmarks/kernel_variants.py ...  # also these presets at 16 / 4, 64 x 8k and 32 x 32k
     BASE=0 ...                                            # without the three tq4 d 128 shapes
+    SHAPES="16,4,1024,8192;..." ...                       # q heads, KV heads, batch, context instead of those three
 
 Shapes: 16 q / 4 KV heads at 64 x 8k and 32 x 32k, 32 / 8 at 64 x 8k (d 128); value norms spread over 4x.
 """
@@ -62,7 +63,10 @@ def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx:
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     q = (torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     out = torch.empty_like(q)
-    splits = default_num_splits(batch, kv_heads, per_warp=per_warp_decode(layout.preset))
+    try:
+        splits = default_num_splits(batch, kv_heads, per_warp=per_warp_decode(layout.preset))
+    except (TypeError, AttributeError):  # a tree before session 12 (one policy for both kernels)
+        splits = default_num_splits(batch, kv_heads)
     q2, lens2 = q[:2], seq_lens[:2].clamp(max=3000)
     ref = paged_attention_reference(q2, cache, layout, table, qsl[:3], lens2, head_dim**-0.5)
     shape_name = f"{TAG:8s} {preset} d{head_dim} {q_heads}/{kv_heads} {batch}x{ctx}"
@@ -93,10 +97,12 @@ def main() -> None:
     assert turboquant_vllm.__file__.startswith(os.path.abspath(TREE)), turboquant_vllm.__file__
     variants = configs(sys.argv[2:])
     print(torch.cuda.get_device_name(), TAG)
-    for q_heads, kv_heads, batch, ctx in [(16, 4, 64, 8192), (16, 4, 32, 32768), (32, 8, 64, 8192)]:
-        if os.environ.get("BASE", "1") != "0":
-            run(variants, q_heads, kv_heads, batch, ctx)
-            torch.cuda.empty_cache()
+    shapes = [(16, 4, 64, 8192), (16, 4, 32, 32768), (32, 8, 64, 8192)]
+    if os.environ.get("SHAPES"):
+        shapes = [tuple(int(x) for x in s.split(",")) for s in os.environ["SHAPES"].split(";")]
+    for q_heads, kv_heads, batch, ctx in shapes if os.environ.get("BASE", "1") != "0" else []:
+        run(variants, q_heads, kv_heads, batch, ctx)
+        torch.cuda.empty_cache()
     if os.environ.get("MORE"):
         for preset in ("k4v3", "tq3"):
             run(variants, 16, 4, 64, 8192, preset)
