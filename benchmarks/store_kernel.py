@@ -47,7 +47,7 @@ def main() -> None:
             same = torch.equal(cache, ref)  # every configuration writes the same bytes
             us = triton.testing.do_bench_cudagraph(lambda kw=kw: store_kv(k, v, cache, slots, layout, **kw)) * 1e3
             moved = 2 * k.numel() * 2 + tokens * KV_HEADS * layout.bytes_per_token_per_head
-            label = f"{name} ({store_block_tokens(tokens)}x8w)" if name == "policy" else name
+            label = f"{name} ({store_block_tokens(tokens, HEAD_DIM)}x8w)" if name == "policy" else name
             print(f"| {tokens} | {label} | {us:.1f} | {moved / us / 1e3:.0f} |{'' if same else ' DIFFERENT BYTES'}",
                   flush=True)
 

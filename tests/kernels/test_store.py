@@ -7,6 +7,7 @@ from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.quantizer import Quantizer
 from turboquant_vllm.core.reference import store_kv_reference
 from turboquant_vllm.kernels import store_kv
+from turboquant_vllm.kernels.store import STORE_LARGE_BATCH, store_block_tokens
 
 HEAD_DIMS = [64, 96, 128, 256]
 
@@ -34,7 +35,8 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
     slots[3] = -1  # skipped token: its slot keeps the poison
     ours, ref = batch.kv_cache.clone(), batch.kv_cache.clone()
     # The prefill-sized tile (store_block_tokens) on half the cases: 42 tokens leave it mostly masked.
-    store_kv(batch.keys, batch.values, ours, slots, batch.layout, cal, block_t=64 if calibrated else None)
+    large = store_block_tokens(STORE_LARGE_BATCH, head_dim)
+    store_kv(batch.keys, batch.values, ours, slots, batch.layout, cal, block_t=large if calibrated else None)
     store_kv_reference(batch.keys, batch.values, ref, slots, batch.layout, cal)
     lay = batch.layout
     codes = torch.ones(lay.head_page_bytes, dtype=torch.bool, device=ours.device)
@@ -66,10 +68,9 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
 
 
 def test_store_tiles_grow_with_the_batch():
-    from turboquant_vllm.kernels.store import STORE_LARGE_BATCH, store_block_tokens
-
     sizes = (1, 64, STORE_LARGE_BATCH - 1, STORE_LARGE_BATCH, 16384)
-    assert [store_block_tokens(n) for n in sizes] == [16] * 3 + [64] * 2
+    for head_dim, large in ((64, 64), (128, 64), (256, 32)):  # d 256: 64 tokens spill (store_block_tokens)
+        assert [store_block_tokens(n, head_dim) for n in sizes] == [16] * 3 + [large] * 2
 
 
 def test_store_rejects_bad_input():

@@ -126,10 +126,13 @@ def check_calibration(key_calibration: KeyCalibration, layout: CacheLayout) -> N
                          f"for {expected}")
 
 
-def store_block_tokens(num_tokens: int) -> int:
+def store_block_tokens(num_tokens: int, head_dim: int) -> int:
     """Tokens per program: 16 keep a decode step's few tokens spread over many programs; prefill-sized batches take
-    64, so each program reads R (d x d fp32) once for 4x the tokens."""
-    return 16 if num_tokens < STORE_LARGE_BATCH else 64
+    more, so each program reads R (d x d fp32) once for more tokens: 64, or 32 above head_dim 128, where 64 spill 3 KB
+    a thread and ran 1.25x slower (benchmarks/results/store_kernel_d256_session11.log)."""
+    if num_tokens < STORE_LARGE_BATCH:
+        return 16
+    return 64 if head_dim <= 128 else 32
 
 
 def store_kv(
@@ -157,7 +160,7 @@ def store_kv(
         check_calibration(key_calibration, layout)
     c = kernel_constants(layout, key.device)
     mean, scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (c.rotation, c.rotation)
-    block_t = block_t or store_block_tokens(num_tokens)
+    block_t = block_t or store_block_tokens(num_tokens, layout.head_dim)
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
     _store_kv_kernel[grid](
         key, value, c.rotation, mean, scale, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,

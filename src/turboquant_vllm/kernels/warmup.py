@@ -42,7 +42,7 @@ def warm_up(
     key = torch.randn(n, layout.num_kv_heads, d, dtype=dtype, device=device)
     value = torch.randn_like(key)
     slots = torch.arange(n, dtype=torch.int64, device=device)
-    for block_t in sorted({store_block_tokens(1), store_block_tokens(STORE_LARGE_BATCH)}):
+    for block_t in sorted({store_block_tokens(1, d), store_block_tokens(STORE_LARGE_BATCH, d)}):
         store_kv(key, value, cache, slots, layout, key_calibration, block_t=block_t)
     block_table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
 
