@@ -15,7 +15,8 @@ One program handles one tile of query tokens of one sequence, all query heads of
 than one split, each writes its partials to the workspace. Decode has its own kernel, _decode_kernel, in which
 each warp keeps its own softmax: for tq4 1.18-1.25x faster than the general kernel's decode
 (benchmarks/results/decode_kernel_session7.log), for the 2- and 3-bit presets 1.04-1.25x
-(decode_kernel_session9.log); 5-bit keys stay in the general kernel (per_warp_decode).
+(decode_kernel_session9.log), and launched one warp per program 1.13-1.45x faster again
+(decode_kernel_session12.log); 5-bit keys stay in the general kernel (per_warp_decode).
 """
 
 from __future__ import annotations
@@ -244,12 +245,12 @@ def _decode_kernel(
     loop has no reduction across warps. 4-bit keys meet int8 queries in integer MMAs (as in _attention_kernel),
     other widths fp16 queries.
 
-    Tensors carry the warp as their leading axis, which Triton's batched MMA lays out one warp per batch entry.
+    Tensors carry the warp as their leading axis, which Triton's batched MMA lays out one warp per batch entry
+    (paged_attention launches WARPS = 1: a program of several warps meets a barrier every iteration).
     Scores are s = q K^T (query heads as rows, padded to ROWS >= 8), their row reductions stay inside a warp;
     the values' MMA is transposed, acc^T = V^T p^T, so p^T is the score tile's own registers (no shared memory)
     and the value codes load straight into the operand's (coordinate, token) order. The value tile decodes in
-    V_CHUNKS pieces of the head dimension: fewer live registers (4 blocks per SM at 128). The warps' partials
-    merge once at the end.
+    V_CHUNKS pieces of the head dimension: fewer live registers. The warps' partials merge once at the end.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
