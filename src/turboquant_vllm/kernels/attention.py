@@ -173,11 +173,11 @@ def _attention_kernel(
     acc_even = tl.zeros((BLOCK_M, DH), tl.float32)
     acc_odd = tl.zeros((BLOCK_M, DH), tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    head_base = (kv_head * stride_chead).to(tl.uint64)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + cols
         n_ok = n < end
-        page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock, head_base, BLOCK_SIZE)
+        page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock, kv_head * stride_chead,
+                                  BLOCK_SIZE)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
         if K_BITS == 4:
@@ -297,13 +297,13 @@ def _decode_kernel(
     acc_e1 = tl.zeros((WARPS, DC, ROWS), tl.float32)
     acc_o1 = tl.zeros((WARPS, DC, ROWS), tl.float32)
     slot = tl.arange(0, WARPS)[:, None] * WARP_N + tl.arange(0, WARP_N)[None, :]  # (warp, token) -> tile offset
-    head_base = (kv_head * stride_chead).to(tl.uint64)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + slot
         n_ok = n < end  # the one query is the last token: this is the causal mask too
         if USE_WINDOW:
             n_ok &= n >= seq_len - sliding_window
-        page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock, head_base, BLOCK_SIZE)
+        page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock, kv_head * stride_chead,
+                                  BLOCK_SIZE)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
         k_rec = (page + off * K_CODE_BYTES)[:, None, :]

@@ -157,13 +157,13 @@ def load_int8_quads(cache_ptr, rec_base, valid, lut_ptr, ASM: tl.constexpr, HEAD
 
 @triton.jit
 def locate_tokens(block_table_row, n, n_ok, stride_cblock, head_base, BLOCK_SIZE: tl.constexpr):
-    """(byte offset of each token n's page, its KV head's part: head_base (uint64), n's slot in the page).
+    """(byte offset of each token n's page, its KV head's part at head_base, n's slot in the page).
 
     Unsigned, as token positions and block ids are: // and % become shifts, and the page offset one widening
-    multiply (stride_cblock < 2^31: check_cache); signed arithmetic cost the decode loop 63 instructions."""
+    multiply (stride_cblock < 2^31: check_cache); signed arithmetic cost the decode loop 62 instructions."""
     nu = n.to(tl.uint32)
     phys = tl.load(block_table_row + nu // BLOCK_SIZE, mask=n_ok, other=0)
-    page = phys.to(tl.uint32).to(tl.uint64) * stride_cblock.to(tl.uint32).to(tl.uint64) + head_base
+    page = phys.to(tl.uint32).to(tl.uint64) * stride_cblock.to(tl.uint32).to(tl.uint64) + head_base.to(tl.uint64)
     return page, (nu % BLOCK_SIZE).to(tl.int32)
 
 

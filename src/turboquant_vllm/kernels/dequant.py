@@ -69,8 +69,8 @@ def _dequant_kernel(
         return
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < seq_len
-    page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock,
-                              (head * stride_chead).to(tl.uint64), BLOCK_SIZE)
+    page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock, head * stride_chead,
+                              BLOCK_SIZE)
     row = tl.load(cu_k_ptr + seq) + n
     _expand(cache_ptr, page, off, n_ok, k_lut_ptr, rot_ptr, key_scale_ptr, k_out_ptr, row, head, stride_ot, stride_oh,
             CALIBRATED, K_ASM, K_BITS, 0, K_CODE_BYTES, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_J, INTERPRET)
