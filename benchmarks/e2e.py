@@ -13,7 +13,7 @@ a decode-bound one, where the tokens a cache holds count).
 Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
 
     python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192 [--at-limit-generate N]]
-                             [--heads 32/8]
+                             [--capture-max N] [--heads 32/8]
 Writes benchmarks/results/e2e.{json,md,png} (e2e_32q8kv.* for --heads 32/8).
 """
 
@@ -89,7 +89,7 @@ class Steps:
 
 
 def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int,
-           at_limit_generate: int = GENERATED) -> dict:
+           at_limit_generate: int = GENERATED, capture_max: int = 0) -> dict:
     """Runs inside a fresh process: one engine, every measurement for this KV cache."""
     import random
     import statistics
@@ -102,13 +102,15 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
               max_model_len=longest + max(GENERATED, at_limit_generate) + 8,
               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, kv_cache_dtype=dtype,
               max_num_seqs=MAX_SEQS_AT_LIMIT if at_limit else max(b for b, _ in runs),
-              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                  **({"max_cudagraph_capture_size": capture_max} if capture_max else {})},
               **({"attention_config": {"backend": backend}} if backend else {}))
     cache = llm.llm_engine.vllm_config.cache_config
     sched = llm.llm_engine.vllm_config.scheduler_config
     # What shapes the steps (and so the decode figure, see NOTES.md session 8): kept with the row.
     row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "max_num_seqs": sched.max_num_seqs,
-           "max_num_batched_tokens": sched.max_num_batched_tokens}
+           "max_num_batched_tokens": sched.max_num_batched_tokens,
+           "max_cudagraph_capture_size": llm.llm_engine.vllm_config.compilation_config.max_cudagraph_capture_size}
     rng = random.Random(0)
 
     request_ids = itertools.count()  # unique across the runs of one engine
@@ -173,6 +175,9 @@ def main() -> None:
                     help="also serve as many CONTEXT-token requests as the cache holds, at once (e.g. 8192)")
     ap.add_argument("--at-limit-generate", type=int, default=GENERATED, metavar="N",
                     help="tokens each memory-limit request generates")
+    ap.add_argument("--capture-max", type=int, default=0, metavar="N",
+                    help="capture decode CUDA graphs up to N requests (vLLM's default: min(2 x max_num_seqs, 512)); "
+                    "a memory-limit load runs more requests at once than that")
     ap.add_argument("--heads", default="16/4", help="query / KV heads of the model (16/4: the kit's reference shape; "
                     "others write e2e_<Q>q<KV>kv.*)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in the results")
@@ -181,7 +186,7 @@ def main() -> None:
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
     if args.child:
         kv, model_dir = args.child.split(":", 1)
-        row = engine(kv, model_dir, runs, args.repeats, args.at_limit, args.at_limit_generate)
+        row = engine(kv, model_dir, runs, args.repeats, args.at_limit, args.at_limit_generate, args.capture_max)
         print("E2E_ROW " + json.dumps(row), flush=True)
         return
     out = Path(args.out)
@@ -197,6 +202,7 @@ def main() -> None:
             env = dict(os.environ, **KV[kv][2])
             cmd = [sys.executable, __file__, "--runs", args.runs, "--repeats", str(args.repeats),
                    "--at-limit", str(args.at_limit), "--at-limit-generate", str(args.at_limit_generate),
+                   "--capture-max", str(args.capture_max),
                    "--child", f"{kv}:{model_dir}"]
             row = child_row(cmd, env, out / f"{stem}_{kv}.log", "E2E_ROW")
             if row is None:

@@ -28,7 +28,8 @@ from turboquant_vllm.core.layout import CacheLayout  # noqa: E402
 from turboquant_vllm.core.presets import get_preset  # noqa: E402
 from turboquant_vllm.core.reference import paged_attention_reference  # noqa: E402
 from turboquant_vllm.kernels import paged_attention, store_kv  # noqa: E402
-from turboquant_vllm.kernels.attention import attention_workspace_shape, default_num_splits, per_warp_decode  # noqa: E402,E501
+from turboquant_vllm.kernels import attention as kernels_attention  # noqa: E402
+from turboquant_vllm.kernels.attention import attention_workspace_shape, default_num_splits  # noqa: E402
 
 BLOCK = 16
 TAG = os.path.basename(TREE.rstrip("/"))
@@ -39,7 +40,7 @@ def configs(specs: list[str]) -> dict[str, dict]:
     for spec in specs:
         name, values = spec.split("=")
         warps, block_n, regs, *rest = map(int, values.split(","))
-        stages, splits = (rest + [3, 0])[:2]
+        stages, splits = rest + [3, 0][len(rest):]  # defaults: 3 stages, the policy's splits
         out[name] = {"num_warps": warps, "block_n": block_n, "max_registers": regs, "num_stages": stages,
                      **({"num_splits": splits} if splits else {})}
     return out
@@ -63,9 +64,12 @@ def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx:
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     q = (torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     out = torch.empty_like(q)
-    try:
-        splits = default_num_splits(batch, kv_heads, per_warp=per_warp_decode(layout.preset))
-    except (TypeError, AttributeError):  # a tree before session 12 (one policy for both kernels)
+    if hasattr(kernels_attention, "decode_launch"):
+        splits = default_num_splits(batch, kv_heads,
+                                    programs_per_sm=kernels_attention.decode_launch(layout.preset, head_dim).programs_per_sm)
+    elif hasattr(kernels_attention, "per_warp_decode"):  # session 12's tree
+        splits = default_num_splits(batch, kv_heads, per_warp=kernels_attention.per_warp_decode(layout.preset))
+    else:  # before session 12: one policy for both kernels
         splits = default_num_splits(batch, kv_heads)
     q2, lens2 = q[:2], seq_lens[:2].clamp(max=3000)
     ref = paged_attention_reference(q2, cache, layout, table, qsl[:3], lens2, head_dim**-0.5)

@@ -16,7 +16,7 @@ import torch
 from .core.layout import CacheLayout
 from .core.presets import get_preset
 from .kernels import paged_attention, store_kv
-from .kernels.attention import attention_workspace_shape, default_num_splits, per_warp_decode
+from .kernels.attention import attention_workspace_shape, decode_launch, default_num_splits
 
 BLOCK = 16
 
@@ -90,7 +90,8 @@ def ours(b: Batch, preset: str, splits: int | None = None, **tuning) -> tuple[Ca
     for ids, k, v in b.slot_chunks():
         slots = (ids[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()
         store_kv(k, v, cache, slots, layout)
-    splits = splits or default_num_splits(s.batch, s.kv_heads, per_warp=per_warp_decode(layout.preset))
+    splits = splits or default_num_splits(s.batch, s.kv_heads,
+                                         programs_per_sm=decode_launch(layout.preset, s.head_dim).programs_per_sm)
     ws = torch.empty(attention_workspace_shape(s.batch, s.q_heads, s.head_dim, splits), dtype=torch.float32,
                      device="cuda")
     out = torch.empty_like(b.query)

@@ -167,15 +167,16 @@ def test_rejects_bad_input():
                         out=torch.empty_like(q))
 
 
-def test_register_cap_only_where_it_was_measured_to_pay():
-    """The narrower presets' decode at head_dim 65..128 runs with 168 registers; tq4, k5v4 (the general kernel) and
-    the other head dims keep the compiler's choice (decode_kernel_registers.log, decode_kernel_session12.log)."""
-    from turboquant_vllm.core.layout import CacheLayout
+def test_decode_launch_only_where_it_was_measured_to_pay():
+    """tq4 up to head_dim 128: one warp, loads two tiles ahead, 168 registers, ~6 programs per SM
+    (decode_kernel_session13.log); the narrower presets and tq4 at 256: one tile ahead, 24 programs per SM, 168
+    registers at head_dim 65..128 only (decode_kernel_session12.log); k5v4 (the general kernel): 4 warps, 2 per SM."""
     from turboquant_vllm.core.presets import get_preset
-    from turboquant_vllm.kernels.attention import decode_max_registers
+    from turboquant_vllm.kernels.attention import AttentionLaunch, decode_launch
 
-    caps = {(p, d): decode_max_registers(CacheLayout(get_preset(p), d, 4, 16))
-            for p in ("tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4") for d in (64, 96, 128, 256)
-            if not refused(p, d)}
-    want = {"tq4": {}, "k5v4": {}}
-    assert caps == {(p, d): want.get(p, {96: 168, 128: 168}).get(d, 0) for p, d in caps}
+    got = {(p, d): decode_launch(get_preset(p), d)
+           for p in ("tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4") for d in (64, 96, 128, 256) if not refused(p, d)}
+    want = {(p, d): AttentionLaunch(4, 3, 0, 2) if p == "k5v4"
+            else AttentionLaunch(1, 5, 168, 6) if p == "tq4" and d <= 128
+            else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24) for p, d in got}
+    assert got == want

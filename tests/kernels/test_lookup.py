@@ -61,9 +61,11 @@ def _plane_codes(bits: int, low: torch.Tensor, top: torch.Tensor) -> tuple[torch
     return even, odd
 
 
-def _run_ptx(program: str, word: int, num_outputs: int = 4, word2: int = 0) -> list[int]:
-    """Executes a lookup's PTX (mov / and / xor / shr / shl / prmt / lop3 on .b32) for one or two input words."""
-    regs = {f"${num_outputs}": word, f"${num_outputs + 1}": word2}
+def _run_ptx(program: str, word: int, num_outputs: int = 4, word2: int = 0, lane: int = 0) -> list[int]:
+    """Executes a lookup's PTX (mov / and / or / xor / shr / shl / prmt / lop3 on .b32) for one or two input words,
+    as lane `lane` of a warp (the lane masks)."""
+    regs = {f"${num_outputs}": word, f"${num_outputs + 1}": word2, "%lanemask_lt": (1 << lane) - 1,
+            "%lanemask_gt": 0xFFFFFFFF << lane + 1 & 0xFFFFFFFF}
     val = lambda x: int(x, 0) if x[0].isdigit() else regs[x]  # noqa: E731
     for line in program.replace("{", "").replace("}", "").split(";"):
         parts = line.replace(",", " ").split()
@@ -71,10 +73,12 @@ def _run_ptx(program: str, word: int, num_outputs: int = 4, word2: int = 0) -> l
             continue
         op, dst, *src = parts
         a = [val(x) for x in src]
-        if op == "mov.b32":
+        if op in ("mov.b32", "mov.u32"):
             r = a[0]
         elif op == "and.b32":
             r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
         elif op == "xor.b32":
             r = a[0] ^ a[1]
         elif op == "shr.u32":
@@ -106,9 +110,9 @@ def test_nibble_asm_program_on_cpu(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     words = [sum(((k + j) % 16) << 4 * j for j in range(8)) for k in range(16)]  # each code at each position
     words += torch.randint(0, 2**32, (200,), generator=gen, dtype=torch.int64).tolist()
-    for w in words:
+    for i, w in enumerate(words):
         nib = [w >> 4 * j & 15 for j in range(8)]  # nibble 2b = coordinate 2b of byte b, nibble 2b+1 = 2b+1
-        got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.value_lookup_asm, w)]
+        got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.value_lookup_asm, w, lane=i % 32)]
         want = [[nib[0], nib[2]], [nib[4], nib[6]], [nib[1], nib[3]], [nib[5], nib[7]]]
         assert got == [[table[x] & 0xFFFF for x in pair] for pair in want], hex(w)
 
@@ -125,10 +129,10 @@ def test_plane_asm_program_on_cpu(bits, head_dim):
     top = torch.randint(0, 256, (400, 4), generator=gen)
     low[:16, 0] = low[:16, 0] & 0xF0 | torch.arange(16)  # every low field and every sign pair at byte 0
     top[:16, 0] = top[:16, 0] & 0xFC | torch.arange(16) % 4
-    for lw, tw in zip(low.tolist(), top.tolist()):
+    for i, (lw, tw) in enumerate(zip(low.tolist(), top.tolist())):
         even, odd = _plane_codes(bits, torch.tensor(lw), torch.tensor(tw))
         word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
-        got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.value_lookup_asm, word(lw), word2=word(tw))]
+        got = [[r & 0xFFFF, r >> 16] for r in _run_ptx(c.value_lookup_asm, word(lw), word2=word(tw), lane=i % 32)]
         e, o = even.tolist(), odd.tolist()
         want = [[e[0], e[1]], [e[2], e[3]], [o[0], o[1]], [o[2], o[3]]]
         assert got == [[table[x] & 0xFFFF for x in pair] for pair in want], (lw, tw)
@@ -172,8 +176,9 @@ def test_int8_asm_program_on_cpu(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     words = [sum(((k + j) % 16) << 4 * j for j in range(8)) for k in range(16)]
     words += torch.randint(0, 2**32, (200,), generator=gen, dtype=torch.int64).tolist()
-    for w in words:
-        got = [list(r.to_bytes(4, "little", signed=False)) for r in _run_ptx(c.key_int8_asm, w, num_outputs=2)]
+    for i, w in enumerate(words):
+        got = [list(r.to_bytes(4, "little", signed=False))
+               for r in _run_ptx(c.key_int8_asm, w, num_outputs=2, lane=i % 32)]
         want = [[table[w >> 4 * j & 15] & 0xFF for j in range(4)], [table[w >> 4 * j & 15] & 0xFF for j in range(4, 8)]]
         assert got == want, hex(w)
 

@@ -6,7 +6,7 @@ from tests.kernels.cases import random_calibration
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.kernels import dequantize_pages, paged_attention, store_kv, warm_up, warmup
-from turboquant_vllm.kernels.attention import _attention_kernel, _decode_kernel, default_num_splits
+from turboquant_vllm.kernels.attention import _attention_kernel, _decode_kernel, decode_launch, default_num_splits
 from turboquant_vllm.kernels.dequant import _dequant_kernel
 from turboquant_vllm.kernels.rotation import LARGE_ROWS
 from turboquant_vllm.kernels.store import STORE_LARGE_BATCH, _store_kv_kernel
@@ -50,7 +50,9 @@ def test_serving_shapes_compile_nothing_after_warm_up(preset, head_dim, dtype):
     kv_heads, q_heads, block = 4, 16, 16
     layout = CacheLayout(get_preset(preset), head_dim, kv_heads, block)
     device = torch.device("cuda")
-    warm_up(layout, dtype, q_heads, device, decode_splits={default_num_splits(b, kv_heads) for b in range(1, 65)})
+    per_sm = decode_launch(layout.preset, head_dim).programs_per_sm
+    warm_up(layout, dtype, q_heads, device,
+            decode_splits={default_num_splits(b, kv_heads, programs_per_sm=per_sm) for b in range(1, 65)})
     kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel)
     before = [compiled(k) for k in kernels]
 

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from tests.vllm.conftest import make_builder, make_cam, make_layers
+from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.kernels import default_num_splits
+from turboquant_vllm.kernels.attention import decode_launch
+
+TQ4_PER_SM = decode_launch(get_preset("tq4"), 128).programs_per_sm  # the builder's layers: tq4, head_dim 128
 
 
 @pytest.fixture
@@ -24,7 +28,7 @@ def test_decode_batch_uses_persistent_tensors(builder):
     cam = make_cam([1, 1, 1], [17, 300, 5])
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.num_prefill_tokens) == (3, 3, 0, 0)
-    assert md.decode_num_splits == default_num_splits(3, 8, builder.num_sms)
+    assert md.decode_num_splits == default_num_splits(3, 8, builder.num_sms, TQ4_PER_SM)
     # a captured graph must see the runner's persistent buffers, not copies
     assert md.decode_query_start_loc is cam.query_start_loc
     assert md.decode_seq_lens is cam.seq_lens and md.decode_block_table is cam.block_table_tensor
@@ -65,7 +69,7 @@ def test_mixed_batch_splits_decodes_from_the_rest(builder):
     assert md.prefill_query_start_loc.tolist() == [0, 7, 10]  # rebased to the prefill tokens
     assert md.prefill_seq_lens.tolist() == [7, 23]
     assert md.prefill_block_table.shape[0] == 2
-    assert md.decode_num_splits == default_num_splits(2, 8, builder.num_sms)
+    assert md.decode_num_splits == default_num_splits(2, 8, builder.num_sms, TQ4_PER_SM)
 
 
 def test_uniform_speculative_batch_is_one_capturable_launch(builder):

@@ -10,7 +10,7 @@ from vllm.utils.math_utils import round_up
 from tests.vllm.conftest import make_builder, make_cam, make_layers, workspace_bytes
 from turboquant_vllm.core.presets import DEFAULT_PRESET, get_preset
 from turboquant_vllm.kernels import attention_workspace_shape, default_num_splits
-from turboquant_vllm.kernels.attention import per_warp_decode
+from turboquant_vllm.kernels.attention import decode_launch
 from turboquant_vllm.vllm.backend import max_workspace_elems, workspace_elems
 
 
@@ -37,7 +37,7 @@ def test_reservation_covers_every_step(vllm_config, preset):
     most = max_workspace_elems(q_heads, kv_heads, d, sched.max_num_batched_tokens, sched.max_num_seqs, sms, p)
     assert most >= attention_workspace_shape(sched.max_num_batched_tokens, q_heads, d, 1)[0]
     for seqs in range(1, sched.max_num_seqs + 1):
-        splits = default_num_splits(seqs, kv_heads, sms, per_warp_decode(p))
+        splits = default_num_splits(seqs, kv_heads, sms, decode_launch(p, d).programs_per_sm)
         assert most >= attention_workspace_shape(seqs, q_heads, d, splits)[0]
         # a mixed step: seqs decodes, the rest of the token budget as prefill
         assert most >= workspace_elems(seqs, sched.max_num_batched_tokens - seqs, splits, q_heads, d)
@@ -72,11 +72,12 @@ def test_no_workspace_manager_no_reservation(vllm_config, bf16_default):
 
 
 @pytest.mark.parametrize("sms", [78, 132])
-@pytest.mark.parametrize("preset", ["tq4", "k5v4"])
-def test_split_choice_is_the_kernels_and_fixed_by_batch_shape(sms, preset):
+@pytest.mark.parametrize("preset,head_dim", [("tq4", 128), ("tq4", 256), ("tq3", 128), ("k5v4", 128)])
+def test_split_choice_is_the_kernels_and_fixed_by_batch_shape(sms, preset, head_dim):
     from turboquant_vllm.vllm.backend import decode_num_splits
 
     p = get_preset(preset)
+    per_sm = decode_launch(p, head_dim).programs_per_sm
     for seqs in (1, 2, 3, 8, 64, 256):
-        assert decode_num_splits(seqs, 8, sms, p) == default_num_splits(seqs, 8, sms, per_warp_decode(p))
-    assert decode_num_splits(0, 8, sms, p) == 1
+        assert decode_num_splits(seqs, 8, sms, p, head_dim) == default_num_splits(seqs, 8, sms, per_sm)
+    assert decode_num_splits(0, 8, sms, p, head_dim) == 1

@@ -22,6 +22,7 @@ each warp keeps its own softmax: for tq4 1.18-1.25x faster than the general kern
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -362,12 +363,12 @@ def _decode_kernel(
     tl.store(ml + NUM_SPLITS, tl.sum(l_i * w, axis=0), mask=row_ok)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_DEFAULT, per_warp: bool = True) -> int:
-    """Splits so that sequences x KV heads x splits give every SM enough programs: 24 of _decode_kernel's one-warp
-    programs (16 to 31 measured best, benchmarks/results/decode_kernel_session12.log), 2 of the general kernel's
-    four-warp ones (per_warp False: per_warp_decode). Depends on batch shape only (graph-safe)."""
+def default_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int = NUM_SMS_DEFAULT,
+                       programs_per_sm: int = 24) -> int:
+    """Splits so that sequences x KV heads x splits give every SM about programs_per_sm programs (decode_launch's
+    figure for the layout, rounded up to a power of two). Depends on batch shape only (graph-safe)."""
     programs = max(1, num_seqs * num_kv_heads)
-    return max(1, min(32, next_pow2(math.ceil((24 if per_warp else 2) * num_sms / programs))))
+    return max(1, min(32, next_pow2(math.ceil(programs_per_sm * num_sms / programs))))
 
 
 def per_warp_decode(preset: Preset) -> bool:
@@ -376,15 +377,29 @@ def per_warp_decode(preset: Preset) -> bool:
     return preset.k_bits != 5
 
 
-def decode_max_registers(layout: CacheLayout) -> int:
-    """Registers per thread for decode, where measured to pay (0: the compiler's choice). One-warp programs of
-    _decode_kernel (decode_kernel_session12.log): tq4 uncapped at every head dim (168 at head_dim 128; a cap of 128
-    1.02x slower, 168 at head_dim 256 1.2x); the narrower presets at head_dim 65..128 168 (tq3 1.05x, tq2 1.09x
-    faster than uncapped, k4v3 even). The general kernel loses with any cap (decode_kernel_registers.log)."""
-    preset = layout.preset
-    if not per_warp_decode(preset) or (preset.k_bits == 4 and preset.v_bits == 4):
-        return 0
-    return 168 if next_pow2(layout.head_dim) == 128 else 0
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How a layout's decode launches: what was measured to pay on the H200."""
+
+    num_warps: int
+    num_stages: int  # Triton's pipeline depth: 5 gives each of the loop's loads two buffers, 2..4 one
+    max_registers: int  # per thread; 0: the compiler's choice
+    programs_per_sm: int  # default_num_splits' target
+
+
+def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
+    """tq4 at head_dim <= 128: one-warp programs, loads two tiles ahead, 168 registers (12 programs fit an SM) and
+    ~6 programs per SM, one wave: 1.07x the session-12 policy at 16 / 4 heads, 64 x 8k and 32 x 32k, 1.09x at head_dim
+    64 (decode_kernel_session13.log). The narrower presets: one tile ahead (two buffers cost them 5%), 24 programs per
+    SM, 168 registers at head_dim 65..128 (tq3 1.05x, tq2 1.09x over uncapped), as tq4 at head_dim 256
+    (decode_kernel_session12.log). The general kernel (5-bit keys): four warps, 2 programs per SM, no cap (any
+    loses: decode_kernel_registers.log)."""
+    if not per_warp_decode(preset):
+        return AttentionLaunch(4, 3, 0, 2)
+    width = next_pow2(head_dim)
+    if preset.k_bits == 4 and preset.v_bits == 4:
+        return AttentionLaunch(1, 5, 168, 6) if width <= 128 else AttentionLaunch(1, 3, 0, 24)
+    return AttentionLaunch(1, 3, 168 if width == 128 else 0, 24)
 
 
 def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:
@@ -409,13 +424,14 @@ def paged_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     key_calibration: KeyCalibration | None = None,
     max_registers: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
-    key_calibration: the one the pages' keys were stored with (see core.calibration); max_registers:
-    per thread (0: the compiler's choice; None: decode_max_registers)."""
+    key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
+    num_warps, num_stages, max_registers (per thread, 0: the compiler's choice): None takes decode_launch's choice
+    for decode, the general kernel's otherwise."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)
     check_cache(kv_cache, layout)
@@ -438,14 +454,14 @@ def paged_attention(
     block_q = 1 if decode_only else max(1, 64 // g_pad)
     block_m = max(16, block_q * g_pad)
     per_warp = decode_only and per_warp_decode(layout.preset)
-    # One warp per decode program: no barrier ties a warp to the others' progress (1.13x at tq4, 1.26-1.45x at the
-    # narrower presets, decode_kernel_session12.log); the general kernel's tiles take four.
-    num_warps = num_warps or (1 if per_warp else 4)
+    launch = decode_launch(layout.preset, head_dim) if decode_only else AttentionLaunch(4, 3, 0, 1)
+    num_warps = num_warps or launch.num_warps
     block_n = block_n or 32 * num_warps
-    if max_registers is None:
-        max_registers = decode_max_registers(layout) if decode_only else 0
+    num_stages = num_stages or launch.num_stages
+    max_registers = launch.max_registers if max_registers is None else max_registers
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, layout.num_kv_heads, per_warp=per_warp) if decode_only else 1
+        num_splits = default_num_splits(num_seqs, layout.num_kv_heads, programs_per_sm=launch.programs_per_sm) \
+            if decode_only else 1
     num_splits = next_pow2(num_splits)
     need = attention_workspace_shape(num_tokens, num_q_heads, head_dim, num_splits)[0]
     if workspace is None:

@@ -173,10 +173,12 @@ def num_sms() -> int:
     return compat.num_compute_units() or NUM_SMS_FALLBACK
 
 
-def decode_num_splits(num_decodes: int, num_kv_heads: int, sms: int, preset: Preset) -> int:
-    from ..kernels.attention import default_num_splits, per_warp_decode
+def decode_num_splits(num_decodes: int, num_kv_heads: int, sms: int, preset: Preset, head_dim: int) -> int:
+    from ..kernels.attention import decode_launch, default_num_splits
 
-    return default_num_splits(num_decodes, num_kv_heads, sms, per_warp_decode(preset)) if num_decodes else 1
+    if not num_decodes:
+        return 1
+    return default_num_splits(num_decodes, num_kv_heads, sms, decode_launch(preset, head_dim).programs_per_sm)
 
 
 def workspace_elems(
@@ -197,7 +199,7 @@ def max_workspace_elems(
     """The most any step can need: a full prefill budget unsplit, or any decode batch split."""
     most = workspace_elems(0, max_tokens, 1, num_q_heads, head_dim)
     for seqs in range(1, min(max_seqs, max_tokens) + 1):
-        splits = decode_num_splits(seqs, num_kv_heads, sms, preset)
+        splits = decode_num_splits(seqs, num_kv_heads, sms, preset, head_dim)
         most = max(most, workspace_elems(seqs, 0, splits, num_q_heads, head_dim))
     return most
 
@@ -437,7 +439,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         num_prefills = num_reqs - num_decodes
         num_prefill_tokens = num_tokens - num_decode_tokens
 
-        splits = decode_num_splits(num_decodes, self.num_kv_heads, self.num_sms, self.preset)
+        splits = decode_num_splits(num_decodes, self.num_kv_heads, self.num_sms, self.preset, self.head_dim)
         decode_qsl = decode_seq_lens = decode_bt = None
         if num_decodes:
             whole = num_prefills == 0  # persistent buffers as they are: safe to capture
@@ -589,7 +591,8 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         start = time.perf_counter()
         # Every split count a decode batch can take: graph capture compiles those of the captured sizes only.
         max_seqs = getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", None) or 1
-        splits = {decode_num_splits(b, self.num_kv_heads, num_sms(), self.preset) for b in range(1, max_seqs + 1)}
+        splits = {decode_num_splits(b, self.num_kv_heads, num_sms(), self.preset, self.head_size)
+                  for b in range(1, max_seqs + 1)}
         warm_up(layout, dtype, self.num_heads, device, sliding_window=self.sliding_window, softcap=self.softcap,
                 key_calibration=self.key_calibration, dense_prefill=compat.flash_attn_varlen() is not None,
                 decode_splits=splits)
