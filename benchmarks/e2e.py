@@ -13,8 +13,8 @@ a decode-bound one, where the tokens a cache holds count).
 Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
 
     python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192 [--at-limit-generate N]]
-                             [--capture-max N] [--heads 32/8]
-Writes benchmarks/results/e2e.{json,md,png} (e2e_32q8kv.* for --heads 32/8).
+                             [--capture-max N] [--heads 32/8] [--tp 2]
+Writes benchmarks/results/e2e.{json,md,png} (e2e_32q8kv.* for --heads 32/8, e2e_tp2.* for --tp 2).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Steps:
 
 
 def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int,
-           at_limit_generate: int = GENERATED, capture_max: int = 0) -> dict:
+           at_limit_generate: int = GENERATED, capture_max: int = 0, tp: int = 1) -> dict:
     """Runs inside a fresh process: one engine, every measurement for this KV cache."""
     import random
     import statistics
@@ -101,14 +101,14 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
               max_model_len=longest + max(GENERATED, at_limit_generate) + 8,
               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, kv_cache_dtype=dtype,
-              max_num_seqs=MAX_SEQS_AT_LIMIT if at_limit else max(b for b, _ in runs),
+              max_num_seqs=MAX_SEQS_AT_LIMIT if at_limit else max(b for b, _ in runs), tensor_parallel_size=tp,
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   **({"max_cudagraph_capture_size": capture_max} if capture_max else {})},
               **({"attention_config": {"backend": backend}} if backend else {}))
     cache = llm.llm_engine.vllm_config.cache_config
     sched = llm.llm_engine.vllm_config.scheduler_config
     # What shapes the steps (and so the decode figure, see NOTES.md session 8): kept with the row.
-    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "max_num_seqs": sched.max_num_seqs,
+    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "tensor_parallel_size": tp, "max_num_seqs": sched.max_num_seqs,
            "max_num_batched_tokens": sched.max_num_batched_tokens,
            "max_cudagraph_capture_size": llm.llm_engine.vllm_config.compilation_config.max_cudagraph_capture_size}
     rng = random.Random(0)
@@ -180,18 +180,22 @@ def main() -> None:
                     "a memory-limit load runs more requests at once than that")
     ap.add_argument("--heads", default="16/4", help="query / KV heads of the model (16/4: the kit's reference shape; "
                     "others write e2e_<Q>q<KV>kv.*)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (> 1 writes e2e_tp<N>.*; each GPU holds its "
+                    "share of the KV heads, so KV tokens are what the group holds)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in the results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
     if args.child:
         kv, model_dir = args.child.split(":", 1)
-        row = engine(kv, model_dir, runs, args.repeats, args.at_limit, args.at_limit_generate, args.capture_max)
+        row = engine(kv, model_dir, runs, args.repeats, args.at_limit, args.at_limit_generate, args.capture_max,
+                     args.tp)
         print("E2E_ROW " + json.dumps(row), flush=True)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, stem = model_config(args.heads)
+    stem += f"_tp{args.tp}" if args.tp > 1 else ""
     command = "python benchmarks/e2e.py " + " ".join(sys.argv[1:])
     rows = []
     if args.merge and (out / f"{stem}.json").exists():  # keep the other KV caches' rows of an earlier call
@@ -202,7 +206,7 @@ def main() -> None:
             env = dict(os.environ, **KV[kv][2])
             cmd = [sys.executable, __file__, "--runs", args.runs, "--repeats", str(args.repeats),
                    "--at-limit", str(args.at_limit), "--at-limit-generate", str(args.at_limit_generate),
-                   "--capture-max", str(args.capture_max),
+                   "--capture-max", str(args.capture_max), "--tp", str(args.tp),
                    "--child", f"{kv}:{model_dir}"]
             row = child_row(cmd, env, out / f"{stem}_{kv}.log", "E2E_ROW")
             if row is None:
@@ -232,7 +236,7 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
         r["prefill_tok_s"] = r.get("prefill_tok_s_64x8k")
         if base:
             r["kv_tokens_vs_bf16"] = r["kv_tokens"] / base["kv_tokens"]
-    meta = dict(model=model, runs=runs, generated=GENERATED)
+    meta = dict(model=model, runs=runs, generated=GENERATED, tensor_parallel_size=rows[0].get("tensor_parallel_size", 1))
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
     lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | decode-only steps 64x8k | "
@@ -245,7 +249,8 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
                      f"{fmt(r.get('decode_only_tok_s_32x32k'), ',.0f')} | "
                      f"{fmt(r['prefill_tok_s'], ',.0f')} | {fmt(r.get('at_limit_req_s'), '.2f')} |")
     shape = (f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} q / "
-             f"{model['num_key_value_heads']} KV heads, head_dim {model['head_dim']}")
+             f"{model['num_key_value_heads']} KV heads, head_dim {model['head_dim']}"
+             + (f", tensor parallel {meta['tensor_parallel_size']}" if meta["tensor_parallel_size"] > 1 else ""))
     runs_by = {}  # rows merged from earlier calls (--merge) name the command that measured them
     for r in rows:
         runs_by.setdefault(r.get("command", "unrecorded"), []).append(r["kv"])

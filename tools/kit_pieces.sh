@@ -1,12 +1,12 @@
 #!/bin/bash
 # The GPU kit (../shared/gpu/build-kit.sh -> .gpukit/part1..3) in pieces small enough to travel beside
 # the committed reference LM: a device call carries 64 MiB in all, working tree (~45 MB) included.
-#   here:   bash tools/kit_pieces.sh split          -> .gpukit/c01 .. c09, one <= 18 MB piece each
+#   here:   bash tools/kit_pieces.sh split          -> .gpukit/c01 .. c11, one <= 16 MiB piece each
 #   device: carry [".gpukit/bin", ".gpukit/cNN"], command `bash tools/kit_pieces.sh gather`, NN = 01, 02, ...
 #           back to back; a part is rebuilt and unpacked once its last (short) piece has come.
 set -e
 KIT="$(cd "$(dirname "$0")/.." && pwd)/.gpukit"
-PIECE=$((18 * 1024 * 1024))
+PIECE=$((16 * 1024 * 1024))
 case "$1" in
 split)
   rm -rf "$KIT"/c[0-9]* && tmp=$(mktemp -d) && i=0

@@ -46,3 +46,10 @@ def test_steps_split_the_prefill_phase_from_the_decode_only_steps():
                                    slowest_step_s=0.5, slowest_step=0)
     steps.add(False, 0.75, 1)  # a stall late in the run
     assert (steps.summary()["slowest_step_s"], steps.summary()["slowest_step"]) == (0.75, 3)
+
+
+def test_tensor_parallel_rows_name_it(tmp_path):
+    rows = [dict(kv="bf16", kv_tokens=2000, tensor_parallel_size=2, decode_tok_s_64x8k=100.0, command="run")]
+    e2e.write(rows, tmp_path, "64x8192", e2e.MODEL, "e2e_tp2")
+    assert json.loads((tmp_path / "e2e_tp2.json").read_text())["meta"]["tensor_parallel_size"] == 2
+    assert "4 KV heads, head_dim 128, tensor parallel 2." in (tmp_path / "e2e_tp2.md").read_text()

@@ -39,7 +39,7 @@ def test_rotate_queries_matches_reference(head_dim, dtype, group, calibrated):
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("splits", [1, 2, 8, 32])
+@pytest.mark.parametrize("splits", [1, 2, 6, 8, 12, 32])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_merge_and_unrotate_matches_reference(head_dim, splits, dtype):
     gen = torch.Generator().manual_seed(hash((head_dim, splits, str(dtype))) % 2**31)

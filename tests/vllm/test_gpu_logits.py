@@ -5,9 +5,10 @@ vLLM with --attention-backend CUSTOM. A plain PyTorch forward of the same weight
 cached key and value replaced by core's dequantize(quantize(.)), is the reference: vLLM's
 log-probabilities must match it (only kernel rounding differs) and must be clearly closer to it
 than to the same forward without quantization. Covered: prefill (prompt log-probs), decode
-(generated tokens' log-probs), chunked prefill, and prefix-cache hits (a rerun served from the
-cached compressed blocks continues the same way); GQA 4, 1 and 8; tensor parallel 2 (each rank stores and reads
-its own KV heads; skipped with fewer than 2 GPUs).
+(generated tokens' log-probs), chunked prefill, prefix-cache hits (a rerun served from the
+cached compressed blocks continues the same way), and preemption (a cache too small for the batch: vLLM frees a
+request's blocks and recomputes it later from its tokens); GQA 4, 1 and 8; tensor parallel 2 (each rank stores and
+reads its own KV heads; skipped with fewer than 2 GPUs).
 
     source .gpukit/bin/env.sh && python3 tests/vllm/test_gpu_logits.py [WORD...]     # or pytest -m gpu
 (WORDs pick the shapes whose ids contain one of them, e.g. `tp2`.)
@@ -37,13 +38,16 @@ VOCAB, LAYERS, PROMPT_LEN, GENERATED = 512, 2, 300, 8
 # (head_dim, query heads, KV heads, dtype, preset, tensor-parallel size)
 SHAPES = [(128, 8, 2, "bfloat16", "tq4", 1), (64, 8, 8, "float16", "tq4", 1), (256, 8, 1, "bfloat16", "tq3", 1),
           (128, 8, 2, "bfloat16", "tq4", 2)]  # TP 2: one KV head and 4 query heads per rank
+# Preemption (first shape): 38 blocks of 16 tokens (one is vLLM's null block) admit the 300- and 260-token prompts
+# (19 + 17 blocks) but not their continuations to 340 and 300 tokens (22 + 19): vLLM must preempt one of them.
+PREEMPT_BLOCKS, PREEMPT_GENERATED = 38, 40
 
 ENGINE = """
 import json, sys
 from vllm import LLM, SamplingParams
 a = json.loads(sys.argv[1])
-llm = LLM(model=a["model"], skip_tokenizer_init=True, max_model_len=1024, gpu_memory_utilization=0.3, seed=0,
-          attention_config={"backend": "CUSTOM"}, **a["llm"])
+llm = LLM(model=a["model"], skip_tokenizer_init=True, seed=0, attention_config={"backend": "CUSTOM"},
+          **{"max_model_len": 1024, "gpu_memory_utilization": 0.3, **a["llm"]})
 prompts = [{"prompt_token_ids": p} for p in a["prompts"]]
 params = SamplingParams(max_tokens=a["generated"], temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0,
                         detokenize=False)
@@ -51,12 +55,15 @@ rerun = SamplingParams(max_tokens=a["generated"], temperature=0.0, ignore_eos=Tr
 runs = []
 for i in range(a["repeats"]):
     # Reruns ask for no prompt log-probs, so vLLM may serve the prompts from the prefix cache.
-    outs = llm.generate(prompts, params if i == 0 else rerun, use_tqdm=False)
+    outs = llm.generate(prompts, params if i == 0 and a["prompt_logprobs"] else rerun, use_tqdm=False)
     runs.append([dict(prompt=[None if d is None else d[t].logprob for d, t in zip(o.prompt_logprobs or [], p)],
                       tokens=list(o.outputs[0].token_ids), cached=o.num_cached_tokens or 0,
                       decode=[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                  for o, p in zip(outs, a["prompts"])])
-print("RESULT " + json.dumps(runs), flush=True)
+preemptions = None
+if a["count_preemptions"]:  # needs disable_log_stats=False
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+print("RESULT " + json.dumps(dict(runs=runs, preemptions=preemptions)), flush=True)
 """
 
 
@@ -127,10 +134,13 @@ def reference_logprobs(weights: dict, tokens: list[int], preset: str | None) -> 
     return logits.log_softmax(-1)[:-1].gather(1, ids[1:, None]).squeeze(1)
 
 
-def serve(model: Path, prompts: list[list[int]], preset: str, llm: dict, repeats: int = 1) -> list:
+def serve(model: Path, prompts: list[list[int]], preset: str, llm: dict, repeats: int = 1,
+          generated: int = GENERATED, prompt_logprobs: bool = True, count_preemptions: bool = False) -> dict:
+    """{"runs": one list of per-prompt results per repeat, "preemptions": vLLM's count (count_preemptions)}"""
     env = dict(os.environ, TURBOQUANT_PRESET=preset)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    args = dict(model=str(model), prompts=prompts, generated=GENERATED, llm=llm, repeats=repeats)
+    args = dict(model=str(model), prompts=prompts, generated=generated, llm=llm, repeats=repeats,
+                prompt_logprobs=prompt_logprobs, count_preemptions=count_preemptions)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(ENGINE), json.dumps(args)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -142,28 +152,37 @@ def shape_id(shape) -> str:
     return f"d{head_dim}-{q_heads}q{kv_heads}kv-{dtype}-{preset}" + (f"-tp{tp}" if tp > 1 else "")
 
 
-def check_shape(head_dim, q_heads, kv_heads, dtype, preset, tp) -> dict:
+def check_shape(head_dim, q_heads, kv_heads, dtype, preset, tp, preemption: bool = False) -> dict:
     base = Path(tempfile.mkdtemp(prefix="tq-logits-"))
     weights = make_model(base / "model", head_dim, q_heads, kv_heads, dtype)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (PROMPT_LEN - 40 * i,), generator=gen).tolist() for i in range(3)]
     eager = {"enforce_eager": True, "tensor_parallel_size": tp}
-    whole = serve(base / "model", prompts, preset, eager | {"enable_prefix_caching": True}, repeats=2)
+    whole = serve(base / "model", prompts, preset, eager | {"enable_prefix_caching": True}, repeats=2)["runs"]
     chunked = serve(base / "model", prompts, preset, eager | {"enable_prefix_caching": False,
                                                               "max_num_batched_tokens": 64,
-                                                              "enable_chunked_prefill": True})
+                                                              "enable_chunked_prefill": True})["runs"]
     report = {}
+    checked = [("prefill+decode", whole[0]), ("chunked", chunked[0])]
+    if preemption:
+        small = serve(base / "model", prompts, preset,
+                      eager | {"enable_prefix_caching": False, "num_gpu_blocks_override": PREEMPT_BLOCKS,
+                               "max_model_len": 512, "disable_log_stats": False},
+                      generated=PREEMPT_GENERATED, prompt_logprobs=False, count_preemptions=True)
+        report["preemptions"] = small["preemptions"]
+        checked.append(("preempted", small["runs"][0]))
     other = "tq3" if preset != "tq3" else "tq4"  # a neighbouring quantizer must fit clearly worse
-    for name, run in (("prefill+decode", whole[0]), ("chunked", chunked[0])):
+    for name, run in checked:
         err_q, err_fp, err_other = [], [], []
         for p, out in zip(prompts, run):
             full = p + out["tokens"]
-            # prompt log-probs of tokens 1.. then the generated tokens': ref[t] scores full[t + 1]
+            # prompt log-probs of tokens 1.. (when asked for) then the generated tokens': ref[t] scores full[t + 1]
             ours = torch.tensor(out["prompt"][1:] + out["decode"], device="cuda")
-            ref_q, ref_fp = reference_logprobs(weights, full, preset), reference_logprobs(weights, full, None)
+            at = slice(0 if out["prompt"] else len(p) - 1, None)
+            ref_q, ref_fp = reference_logprobs(weights, full, preset)[at], reference_logprobs(weights, full, None)[at]
             err_q.append((ours - ref_q[: len(ours)]).abs())
             err_fp.append((ours - ref_fp[: len(ours)]).abs())
-            err_other.append((ours - reference_logprobs(weights, full, other)[: len(ours)]).abs())
+            err_other.append((ours - reference_logprobs(weights, full, other)[at][: len(ours)]).abs())
         err_q, err_fp, err_other = torch.cat(err_q), torch.cat(err_fp), torch.cat(err_other)
         report[name] = dict(mean_vs_quantized=err_q.mean().item(), max_vs_quantized=err_q.max().item(),
                             mean_vs_unquantized=err_fp.mean().item(), mean_vs_other_preset=err_other.mean().item())
@@ -177,7 +196,11 @@ def check_shape(head_dim, q_heads, kv_heads, dtype, preset, tp) -> dict:
 
 
 def assert_report(report: dict) -> None:
-    for name in ("prefill+decode", "chunked"):
+    if "preemptions" in report:
+        assert report["preemptions"] >= 1, report  # the small cache did force a preemption
+    for name in ("prefill+decode", "chunked", "preempted"):
+        if name not in report:
+            continue
         r = report[name]
         # vLLM ran this quantizer: clearly closer to it than to no quantization or to a neighbouring preset.
         # The remaining gap is bf16 rounding, amplified where a rounded key lands across a code boundary.
@@ -194,7 +217,7 @@ if pytest is not None:
     def test_logits_match_the_quantized_reference(shape):
         if torch.cuda.device_count() < shape[5]:
             pytest.skip(f"tensor parallel {shape[5]} needs {shape[5]} GPUs")
-        assert_report(check_shape(*shape))
+        assert_report(check_shape(*shape, preemption=shape == SHAPES[0]))
 
 
 if __name__ == "__main__":
@@ -206,7 +229,7 @@ if __name__ == "__main__":
             results[shape_id(shape)] = f"skipped: tensor parallel {shape[5]} needs {shape[5]} GPUs"
             continue
         try:
-            rep = check_shape(*shape)
+            rep = check_shape(*shape, preemption=shape == SHAPES[0])
             assert_report(rep)
             results[shape_id(shape)] = dict(rep, ok=True)
         except Exception as exc:  # noqa: BLE001 - a report, not a test runner

@@ -462,7 +462,6 @@ def paged_attention(
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, layout.num_kv_heads, programs_per_sm=launch.programs_per_sm) \
             if decode_only else 1
-    num_splits = next_pow2(num_splits)
     need = attention_workspace_shape(num_tokens, num_q_heads, head_dim, num_splits)[0]
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=query.device)

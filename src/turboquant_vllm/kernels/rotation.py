@@ -69,17 +69,18 @@ def _rotate_queries_kernel(
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads"])
 def _merge_and_unrotate_kernel(
     acc_ptr, ml_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """out[row] = o[row] @ R, cast to out's dtype, o the softmax merge of NUM_SPLITS partials (unnormalized acc
-    (rows, splits, d), row maxima (log2) and sums in ml)."""
+    (rows, splits, d), row maxima (log2) and sums in ml); any number of splits, padded to S_PAD = a power of two."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
-    s = tl.arange(0, NUM_SPLITS)
+    s = tl.arange(0, S_PAD)
+    s_ok = row_ok[:, None] & (s[None, :] < NUM_SPLITS)
     ml = ml_ptr + rows[:, None] * (2 * NUM_SPLITS) + s[None, :]
-    m = tl.load(ml, mask=row_ok[:, None], other=float("-inf"))
-    l_part = tl.load(ml + NUM_SPLITS, mask=row_ok[:, None], other=0.0)
+    m = tl.load(ml, mask=s_ok, other=float("-inf"))
+    l_part = tl.load(ml + NUM_SPLITS, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row that saw no key
     w = tl.exp2(m - m_max[:, None])
@@ -90,7 +91,7 @@ def _merge_and_unrotate_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (k[None, :] < HEAD_DIM)
         part = tl.load(acc_ptr + (rows[:, None, None] * NUM_SPLITS + s[None, :, None]) * HEAD_DIM + k[None, None, :],
-                       mask=ok[:, None, :], other=0.0)
+                       mask=ok[:, None, :] & s_ok[:, :, None], other=0.0)
         x = tl.sum(part * w[:, :, None], axis=1)
         acc = tl.dot(x, matrix_rows(rot_ptr, k0, HEAD_DIM, 1, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
     token = rows // num_q_heads
@@ -139,7 +140,7 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
     block_r, warps = launch_shape(rows, head_dim)
     _merge_and_unrotate_kernel[(triton.cdiv(rows, block_r),)](
         part_acc, part_ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-        HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r,
-        BLOCK_K=max(16, min(32, 512 // (num_splits * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
+        S_PAD=next_pow2(num_splits), HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r,
+        BLOCK_K=max(16, min(32, 512 // (next_pow2(num_splits) * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
     )
     return out
