@@ -83,7 +83,7 @@ def main() -> None:
 def compiled(fn, consts: dict, pointers: dict, options: dict, out: Path, divisible=frozenset()):
     """Compiles fn for sm_90; writes its ttgir / ptx / cubin / sass under out; returns (kernel, sass, usage)."""
     names = fn.arg_names
-    signature = {n: pointers.get(n, "constexpr" if n in consts else "fp32" if n in ("softcap", "k_step") else "i32")
+    signature = {n: pointers.get(n, "constexpr" if n in consts else "fp32" if n in ("softcap", "k_step", "q_scale") else "i32")
                  for n in names}
     # What the kernel declines to specialize (do_not_specialize[_on_alignment]) compiles without the hint, as it runs.
     kept = {p.name for p in fn.params if not (p.do_not_specialize or p.do_not_specialize_on_alignment)}
@@ -104,10 +104,12 @@ def compiled(fn, consts: dict, pointers: dict, options: dict, out: Path, divisib
 
 def store_kernel(args) -> None:
     layout = CacheLayout(get_preset(args.preset), args.head_dim, 4, 16)
-    consts = dict(CALIBRATED=False, BLOCK_T=args.block_n, BLOCK_K=32, **page_constants(layout))
+    consts = dict(CALIBRATED=False, GROUP=4, BLOCK_T=args.block_n, BLOCK_K=32, INTERPRET=False,
+                  **page_constants(layout))
     pointers = {n: "*fp32" for n in ("rot_ptr", "mean_ptr", "scale_ptr", "k_bounds_ptr", "v_bounds_ptr",
                                      "k_values_ptr", "v_values_ptr")}
-    pointers.update(key_ptr="*bf16", value_ptr="*bf16", cache_ptr="*u8", slot_ptr="*i64")
+    pointers.update(key_ptr="*bf16", value_ptr="*bf16", cache_ptr="*u8", slot_ptr="*i64", q_ptr="*bf16",
+                    q_out_ptr="*fp16")
     t0 = time.perf_counter()
     kernel, _, usage = compiled(store._store_kv_kernel, consts, pointers, {"num_warps": args.warps}, Path(args.out))
     print(f"store {args.preset} d {args.head_dim}, {args.block_n} tokens x {args.warps} warps: {usage} (bytes of "

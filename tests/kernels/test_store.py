@@ -5,8 +5,9 @@ from tests.conftest import DEVICE
 from tests.kernels.cases import make_paged_batch, random_calibration, skip_if_refused
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.quantizer import Quantizer
-from turboquant_vllm.core.reference import store_kv_reference
+from turboquant_vllm.core.reference import rotate_queries_reference, store_kv_reference
 from turboquant_vllm.kernels import store_kv
+from turboquant_vllm.kernels.constants import kernel_constants
 from turboquant_vllm.kernels.store import STORE_LARGE_BATCH, store_block_tokens
 
 HEAD_DIMS = [64, 96, 128, 256]
@@ -65,6 +66,31 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
         assert same.float().mean() > 0.9
         n_ours, n_ref = (records(c, norm_off, 4).contiguous().view(torch.float32)[..., 0] for c in (ours, ref))
         torch.testing.assert_close(n_ours[same], n_ref[same], rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_store_rotates_the_decode_queries_in_the_same_launch(head_dim, dtype, group, calibrated):
+    gen = torch.Generator().manual_seed(hash((head_dim, str(dtype), group, calibrated, "q")) % 2**31)
+    kv_heads, tokens = 2, int(torch.randint(17, 40, (1,), generator=gen))
+    queries = int(torch.randint(1, tokens + 1, (1,), generator=gen))  # the decode tokens come first
+    batch = make_paged_batch(gen, "tq4", head_dim, kv_heads, 16, [tokens], dtype, DEVICE)
+    cal = random_calibration(gen, kv_heads, head_dim, DEVICE) if calibrated else None
+    # A strided view, as vLLM's query is a slice of the fused qkv projection.
+    qkv = torch.randn(tokens, kv_heads * group + 3, head_dim, generator=gen).to(dtype).to(DEVICE)
+    query = qkv[:queries, : kv_heads * group]
+    plain, fused = batch.kv_cache.clone(), batch.kv_cache.clone()
+    assert store_kv(batch.keys, batch.values, plain, batch.slot_mapping, batch.layout, cal) is None
+    ours = store_kv(batch.keys, batch.values, fused, batch.slot_mapping, batch.layout, cal, query=query,
+                    query_scale=0.3)
+    assert torch.equal(plain, fused)  # the cache is written as without the queries
+    assert ours.dtype == torch.float16 and ours.shape == query.shape and not ours.isnan().any()
+    ref = rotate_queries_reference(query, kernel_constants(batch.layout, DEVICE).rotation, 0.3, cal)
+    torch.testing.assert_close(ours.float(), ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())  # fp16 rounding
+    with pytest.raises(ValueError, match="query must be"):
+        store_kv(batch.keys, batch.values, fused, batch.slot_mapping, batch.layout, query=qkv[:, :3])
 
 
 def test_store_tiles_grow_with_the_batch():

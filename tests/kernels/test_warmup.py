@@ -20,7 +20,8 @@ def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
 
     def record(name, fn):
         def wrapped(*args, **kwargs):
-            calls.append((name, kwargs.get("block_t"), kwargs.get("max_query_len")))
+            calls.append((name, kwargs.get("block_t"), kwargs.get("max_query_len"),
+                          "query" if kwargs.get("query") is not None else None))
             return fn(*args, **kwargs)
         monkeypatch.setattr(warmup, name, wrapped)
 
@@ -31,11 +32,12 @@ def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
     gen = torch.Generator().manual_seed(0)
     warm_up(layout, torch.bfloat16, 32, torch.device(DEVICE), sliding_window=24, softcap=30.0,
             key_calibration=random_calibration(gen, 2, 64, DEVICE), dense_prefill=dense_prefill, decode_splits=[4, 1, 4])
-    assert ("store_kv", 16, None) in calls and ("store_kv", 64, None) in calls
-    assert (("dequantize_pages", None, None) in calls) == dense_prefill
+    assert ("store_kv", 16, None, None) in calls and ("store_kv", 64, None, None) in calls
+    assert ("store_kv", None, None, "query") in calls  # a decode step's store + query rotation (small tiles)
+    assert (("dequantize_pages", None, None, None) in calls) == dense_prefill
     query_rows = [c[2] * 32 for c in calls if c[0] == "paged_attention" and c[2] > 1]  # prefills: query = context
     assert min(query_rows) <= LARGE_ROWS < max(query_rows)  # both tilings of the query rotation
-    assert [c for c in calls if c[0] == "paged_attention" and c[2] == 1] == [("paged_attention", None, 1)] * 2
+    assert [c for c in calls if c[0] == "paged_attention" and c[2] == 1] == [("paged_attention", None, 1, None)] * 2
 
 
 def compiled(kernel) -> int:
@@ -78,6 +80,9 @@ def test_serving_shapes_compile_nothing_after_warm_up(preset, head_dim, dtype):
     decode_out = torch.full_like(q[:3], float("nan"))
     paged_attention(q[:3], cache, layout, block_table, torch.arange(4, dtype=torch.int32, device=device), seq_lens,
                     max_query_len=1, scale=head_dim**-0.5, out=decode_out)  # 3 decodes, the policy's split count
+    rotated = store_kv(k[:3], v[:3], cache, slots[:3], layout, query=q[:3], query_scale=head_dim**-0.5)
+    paged_attention(q[:3], cache, layout, block_table, torch.arange(4, dtype=torch.int32, device=device), seq_lens,
+                    max_query_len=1, scale=head_dim**-0.5, out=decode_out, rotated_query=rotated)  # as vLLM steps
     torch.cuda.synchronize()
     assert not out.isnan().any() and not decode_out.isnan().any()
     assert [compiled(k) for k in kernels] == before, "a serving-shaped launch compiled a new kernel"

@@ -43,7 +43,7 @@ def test_name_impl_builder():
     assert TQ4AttentionBackend.get_name() == "CUSTOM"
     assert TQ4AttentionBackend.get_impl_cls() is TQ4AttentionImpl
     assert TQ4AttentionBackend.get_builder_cls() is TQ4MetadataBuilder
-    assert TQ4AttentionBackend.forward_includes_kv_cache_update is False
+    assert TQ4AttentionBackend.forward_includes_kv_cache_update is True  # forward stores (with the queries' rotation)
     assert TQ4AttentionBackend.is_mla() is False
 
 

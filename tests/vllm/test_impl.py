@@ -1,6 +1,6 @@
-"""The impl end to end on one mixed step (runs the Triton kernels; on a CPU through TRITON_INTERPRET):
-store the new keys/values through do_kv_cache_update, attend through forward with the builder's
-metadata, and compare with the pure-PyTorch reference over the same compressed pages."""
+"""The impl end to end on one step (runs the Triton kernels; on a CPU through TRITON_INTERPRET): forward stores
+the new keys/values and attends with the builder's metadata; compared with the pure-PyTorch reference over the
+same compressed pages. A mixed step and a step of decodes only (whose store launch also rotates the queries)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from tests.vllm.conftest import make_builder, make_cam, make_layers
 from turboquant_vllm.core.calibration import KeyCalibration, save_calibration
 from turboquant_vllm.core.reference import paged_attention_reference
+from turboquant_vllm.kernels import store_kv
 from turboquant_vllm.vllm.backend import TQ4AttentionBackend, key_statistics, layout_of_cache, rank_kv_heads
 
 BLOCK = 16
@@ -30,8 +31,9 @@ def write_calibration(path, layer_names, kv_heads=KV_HEADS, head_dim=HEAD_DIM, s
     ids=["plain", "window+softcap", "key-calibration"],
 )
 @pytest.mark.parametrize("preset", ["tq4", "k3v2"])
-def test_mixed_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatch, tmp_path, preset,
-                                      layer_kwargs, calibrated):
+@pytest.mark.parametrize("step", ["mixed", "decodes"])
+def test_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatch, tmp_path, preset, layer_kwargs,
+                                calibrated, step):
     monkeypatch.setenv("TURBOQUANT_PRESET", preset)
     if calibrated:
         path = write_calibration(tmp_path / "keys.safetensors", ["model.layers.0.self_attn.attn"])
@@ -44,9 +46,10 @@ def test_mixed_step_matches_reference(vllm_config, workspace, bf16_default, monk
     assert (impl.key_calibration is not None) == calibrated
     builder = make_builder(vllm_config, [layer.layer_name], kv_heads=KV_HEADS, head_size=HEAD_DIM)
 
-    # decode, decode, chunked-prefill continuation, fresh prefill
-    cached = [37, 4, 20, 0]
-    q_lens = [1, 1, 9, 12]
+    if step == "mixed":  # decode, decode, chunked-prefill continuation, fresh prefill
+        cached, q_lens = [37, 4, 20, 0], [1, 1, 9, 12]
+    else:
+        cached, q_lens = [37, 4, 20], [1, 1, 1]
     seq_lens = [c + q for c, q in zip(cached, q_lens)]
     blocks_per_seq = [-(-s // BLOCK) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 5
@@ -67,25 +70,29 @@ def test_mixed_step_matches_reference(vllm_config, workspace, bf16_default, monk
         return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
     # earlier steps filled the cached tokens
+    layout = layout_of_cache(impl.preset, HEAD_DIM, kv_cache)
     ctx_slots = torch.cat([slots(i, range(c)) for i, c in enumerate(cached)])
     n_ctx = ctx_slots.shape[0]
-    impl.do_kv_cache_update(layer, rand(n_ctx, KV_HEADS, HEAD_DIM), rand(n_ctx, KV_HEADS, HEAD_DIM), kv_cache,
-                            ctx_slots)
+    store_kv(rand(n_ctx, KV_HEADS, HEAD_DIM), rand(n_ctx, KV_HEADS, HEAD_DIM), kv_cache, ctx_slots, layout,
+             impl.key_calibration)
 
-    # this step: 23 real tokens, padded to 24 as a CUDA-graph size would; slot_mapping is not padded
-    n_real, n_padded = sum(q_lens), 24
+    # this step, padded by one token as a CUDA-graph size would; slot_mapping is not padded
+    n_real = sum(q_lens)
+    n_padded = n_real + 1
     step_slots = torch.cat([slots(i, range(c, s)) for i, (c, s) in enumerate(zip(cached, seq_lens))])
     query = rand(n_padded, Q_HEADS, HEAD_DIM)
     key, value = rand(n_padded, KV_HEADS, HEAD_DIM), rand(n_padded, KV_HEADS, HEAD_DIM)
-    impl.do_kv_cache_update(layer, key, value, kv_cache, step_slots)
 
     cam = make_cam(q_lens, seq_lens, num_actual_tokens=n_padded, block_table=block_table, slot_mapping=step_slots)
     md = builder.build(0, cam)
-    assert (md.num_decodes, md.num_prefills) == (2, 2) and md.decode_num_splits > 1
+    assert (md.num_decodes, md.num_prefills) == ((2, 2) if step == "mixed" else (3, 0)) and md.decode_num_splits > 1
     output = torch.full((n_padded, Q_HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
-    impl.forward(layer, query, key, value, kv_cache, md, output=output)
+    if step == "decodes":  # the store launch rotates the queries: no launch of its own
+        from turboquant_vllm.kernels import attention
 
-    layout = layout_of_cache(impl.preset, HEAD_DIM, kv_cache)
+        monkeypatch.setattr(attention, "rotate_queries", None)
+    impl.forward(layer, query, key, value, kv_cache, md, output=output)  # stores this step's keys / values first
+
     expected = paged_attention_reference(
         query[:n_real], kv_cache, layout, block_table, cam.query_start_loc, cam.seq_lens, impl.scale,
         sliding_window=impl.sliding_window, softcap=impl.softcap, key_calibration=impl.key_calibration,
@@ -145,11 +152,11 @@ def test_collecting_sums_real_tokens_only(vllm_config, workspace, bf16_default, 
     q, k = torch.randn(12, Q_HEADS, HEAD_DIM), torch.randn(12, KV_HEADS, HEAD_DIM)
     slots = torch.arange(10, dtype=torch.int64)
     slots[4] = -1  # a skipped token
-    layer.impl.do_kv_cache_update(layer, k.bfloat16(), k.bfloat16(), kv_cache, slots)  # 12 tokens, 10 slots
     cam = make_cam([10], [10], num_actual_tokens=10, block_table=torch.tensor([[0]], dtype=torch.int32),
                    slot_mapping=slots)
     out = torch.empty(12, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    layer.impl.forward(layer, q.bfloat16(), k, k, kv_cache, builder.build(0, cam), output=out)
+    # 12 tokens, 10 slots: forward stores the keys of 9
+    layer.impl.forward(layer, q.bfloat16(), k.bfloat16(), k.bfloat16(), kv_cache, builder.build(0, cam), output=out)
     stats = key_statistics[layer.layer_name]
     kept = torch.cat([k[:4], k[5:10]]).bfloat16().double()
     assert stats.key_count == 9 and stats.query_count == 10 * Q_HEADS // KV_HEADS
@@ -160,10 +167,8 @@ def test_profiling_run_without_metadata_zeroes_the_output(vllm_config, bf16_defa
     (layer,) = make_layers(vllm_config, 1)
     out = torch.ones(3, 32, 128, dtype=torch.bfloat16)
     q = torch.zeros(3, 32, 128, dtype=torch.bfloat16)
-    layer.impl.forward(layer, q, None, None, torch.empty(0), None, output=out)
+    layer.impl.forward(layer, q, q[:, :8], q[:, :8], torch.empty(0), None, output=out)  # no cache: nothing stored
     assert not out.any()
-    # before the cache is bound, storing is a no-op
-    layer.impl.do_kv_cache_update(layer, q[:, :8], q[:, :8], torch.empty(0), torch.zeros(3, dtype=torch.int64))
 
 
 def test_loaded_layers_warm_the_kernels_up_once_per_shape(vllm_config, bf16_default, monkeypatch):

@@ -427,11 +427,13 @@ def paged_attention(
     num_stages: int | None = None,
     key_calibration: KeyCalibration | None = None,
     max_registers: int | None = None,
+    rotated_query: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
     key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice): None takes decode_launch's choice
-    for decode, the general kernel's otherwise."""
+    for decode, the general kernel's otherwise. rotated_query: the query already in the cache's basis, as
+    store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch fewer)."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)
     check_cache(kv_cache, layout)
@@ -476,7 +478,12 @@ def paged_attention(
     c = kernel_constants(layout, query.device)
     # MMA operands are fp16 whatever the model dtype (3 more mantissa bits than bf16, same speed), but for
     # 4-bit keys: int8 keys and int8 hi / lo parts of the queries (exact products, see the kernel).
-    q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
+    if rotated_query is None:
+        q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
+    elif rotated_query.shape != query.shape or rotated_query.dtype != torch.float16 or rotated_query.stride(2) != 1:
+        raise ValueError(f"rotated_query must be float16 of the query's shape {tuple(query.shape)}")
+    else:
+        q_rot = rotated_query
     common = dict(
         NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, **page_constants(layout),
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,

@@ -39,28 +39,45 @@ def matrix_rows(m_ptr, k0, stride_k, stride_j, BLOCK_K: tl.constexpr, HEAD_DIM: 
                    mask=(k[:, None] < HEAD_DIM) & (j[None, :] < HEAD_DIM), other=0.0)
 
 
+@triton.jit
+def rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, cal_base, CALIBRATION: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(x @ R.T, sum of x^2) in fp32 for the rows x at src_ptr + row_base ((BLOCK_R, 1) offsets), masked by valid.
+    CALIBRATION 0: x = the rows; 1 (keys under a key calibration): (rows - mean) / scale; 2 (queries under one):
+    rows * scale; mean and scale rows at mean_ptr / scale_ptr + cal_base (broadcasting over the rows)."""
+    sq = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
+    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        ok = valid[:, None] & (k < HEAD_DIM)
+        x = tl.load(src_ptr + row_base + k, mask=ok, other=0.0).to(tl.float32)
+        if CALIBRATION == 1:
+            mean = tl.load(mean_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0)
+            scale = tl.load(scale_ptr + cal_base + k, mask=k < HEAD_DIM, other=1.0)
+            x = tl.where(ok, (x - mean) / scale, 0.0)
+        elif CALIBRATION == 2:
+            x *= tl.load(scale_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0)
+        sq += tl.sum(x * x, axis=1)
+        acc = tl.dot(x, matrix_rows(rot_ptr, k0, 1, HEAD_DIM, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
+    return acc, sq
+
+
 # Row and head counts change with every batch: specializing on them would recompile mid-serving.
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads", "group"])
 def _rotate_queries_kernel(
     q_ptr, out_ptr, rot_ptr, key_scale_ptr, num_rows, num_q_heads, group, stride_qt, stride_qh, scale,
-    CALIBRATED: tl.constexpr,
+    CALIBRATION: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """out[row] = (q[row] * key scale of its KV head) @ R.T * scale; rows are (token, query head)."""
+    """out[row] = (q[row] * key scale of its KV head (CALIBRATION 2)) @ R.T * scale; rows are (token, query head)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     token = rows // num_q_heads
     head = rows % num_q_heads
-    acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
-    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        ok = row_ok[:, None] & (k[None, :] < HEAD_DIM)
-        x = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + k[None, :], mask=ok, other=0.0)
-        x = x.to(tl.float32)
-        if CALIBRATED:
-            x *= tl.load(key_scale_ptr + (head // group)[:, None] * HEAD_DIM + k[None, :], mask=ok, other=0.0)
-        acc = tl.dot(x, matrix_rows(rot_ptr, k0, 1, HEAD_DIM, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
+    acc, _ = rotate_rows(q_ptr, (token * stride_qt + head * stride_qh)[:, None], row_ok, rot_ptr, key_scale_ptr,
+                         key_scale_ptr, ((head // group) * HEAD_DIM)[:, None], CALIBRATION, HEAD_DIM, D_PAD, BLOCK_R,
+                         BLOCK_K)
     j = tl.arange(0, D_PAD)
     out = round_to(acc * scale, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + j[None, :], out, mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
@@ -120,7 +137,7 @@ def rotate_queries(
     block_r, warps = launch_shape(rows, head_dim)
     _rotate_queries_kernel[(triton.cdiv(rows, block_r),)](
         query, out, rotation, key_scale, rows, q_heads, q_heads // layout.num_kv_heads, query.stride(0),
-        query.stride(1), float(scale), CALIBRATED=key_calibration is not None, HEAD_DIM=head_dim,
+        query.stride(1), float(scale), CALIBRATION=2 if key_calibration is not None else 0, HEAD_DIM=head_dim,
         D_PAD=next_pow2(head_dim), BLOCK_R=block_r, BLOCK_K=32, INTERPRET=INTERPRETED, num_warps=warps,
     )
     return out

@@ -3,6 +3,8 @@
 Reference: turboquant_vllm.core.reference.store_kv_reference (bit-exact up to fp32 rounding of
 the rotation). One launch writes K and V (grid axis 2 picks which), key calibration and rotation
 included: a decode step's few tokens make a GEMM library call cost more than the whole store.
+The same launch can also rotate the step's decode queries (kernels.rotation.rotate_queries'
+result, reference rotate_queries_reference): one launch per layer fewer in every decode step.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import triton.language as tl
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .common import check_dtype, check_index, codes_to_plane_bytes, page_constants
+from .common import INTERPRETED, check_dtype, check_index, codes_to_plane_bytes, page_constants, round_to
 from .constants import kernel_constants
-from .rotation import matrix_rows
+from .rotation import rotate_rows
 
 STORE_LARGE_BATCH = 1024  # tokens from which a store launch takes larger tiles (store_block_tokens)
 
@@ -41,21 +43,9 @@ def _quantize_and_store(
     BITS: tl.constexpr, CODE_BYTES: tl.constexpr, CODE_OFF: tl.constexpr, NORM_OFF: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # x (calibrated keys: (k - mean) / scale) @ R.T in fp32, a column chunk of x at a time.
-    sq = tl.zeros((BLOCK_T,), tl.float32)
-    rotated = tl.zeros((BLOCK_T, D_PAD), tl.float32)
-    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        ok = valid[:, None] & (k[None, :] < HEAD_DIM)
-        x = tl.load(src_ptr + tok[:, None] * stride_t + head * stride_h + k[None, :], mask=ok, other=0.0)
-        x = x.to(tl.float32)
-        if CALIBRATED:
-            mean = tl.load(mean_ptr + head * HEAD_DIM + k, mask=k < HEAD_DIM, other=0.0)
-            scale = tl.load(scale_ptr + head * HEAD_DIM + k, mask=k < HEAD_DIM, other=1.0)
-            x = tl.where(ok, (x - mean[None, :]) / scale[None, :], 0.0)
-        sq += tl.sum(x * x, axis=1)
-        rotated = tl.dot(x, matrix_rows(rot_ptr, k0, 1, HEAD_DIM, BLOCK_K, HEAD_DIM, D_PAD), rotated,
-                         input_precision="tf32x3")
+    # x (calibrated keys: (k - mean) / scale) @ R.T in fp32
+    rotated, sq = rotate_rows(src_ptr, (tok * stride_t + head * stride_h)[:, None], valid, rot_ptr, mean_ptr,
+                              scale_ptr, head * HEAD_DIM, 1 if CALIBRATED else 0, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
     norm = tl.sqrt(sq)
     dims = tl.arange(0, D_PAD)
     d_ok = valid[:, None] & (dims[None, :] < HEAD_DIM)
@@ -81,30 +71,45 @@ def _quantize_and_store(
     tl.store(norm_ptr, norm, mask=valid)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # changes with every batch: no recompiles mid-serving
+# Token counts change with every batch: no recompiles mid-serving.
+@triton.jit(do_not_specialize=["num_tokens", "num_query_tokens"])
 def _store_kv_kernel(
     key_ptr, value_ptr, rot_ptr, mean_ptr, scale_ptr, cache_ptr, slot_ptr, k_bounds_ptr, v_bounds_ptr, k_values_ptr,
     v_values_ptr, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_cblock, stride_chead,
-    CALIBRATED: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
-    K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
+    q_ptr, q_out_ptr, num_query_tokens, stride_qt, stride_qh, q_scale,
+    CALIBRATED: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
+    K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """Grid axis 2: 0 stores the keys of KV head program_id(1), 1 its values, 2 + g rotates its query head g
+    (of GROUP) for the first num_query_tokens tokens into q_out (contiguous (tokens, q heads, d))."""
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    part = tl.program_id(2)
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     valid = slot >= 0
     safe = tl.where(valid, slot, 0)
     page_base = (safe // BLOCK_SIZE) * stride_cblock + head * stride_chead
     slot_off = safe % BLOCK_SIZE
-    if tl.program_id(2) == 0:
+    if part == 0:
         _quantize_and_store(key_ptr, stride_kt, stride_kh, rot_ptr, mean_ptr, scale_ptr, cache_ptr, page_base,
                             slot_off, valid, k_bounds_ptr, k_values_ptr, head, tok, CALIBRATED, K_BITS, K_CODE_BYTES,
                             0, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
-    else:
+    elif part == 1:
         _quantize_and_store(value_ptr, stride_vt, stride_vh, rot_ptr, mean_ptr, scale_ptr, cache_ptr, page_base,
                             slot_off, valid, v_bounds_ptr, v_values_ptr, head, tok, False, V_BITS, V_CODE_BYTES,
                             V_CODE_OFF, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
+    elif tl.program_id(0) * BLOCK_T < num_query_tokens:  # queries are a prefix of the tokens (the decodes)
+        q_head = head * GROUP + part - 2
+        q_ok = tok < num_query_tokens
+        rotated, _ = rotate_rows(q_ptr, (tok * stride_qt + q_head * stride_qh)[:, None], q_ok, rot_ptr, mean_ptr,
+                                 scale_ptr, head * HEAD_DIM, 2 if CALIBRATED else 0, HEAD_DIM, D_PAD, BLOCK_T,
+                                 BLOCK_K)
+        j = tl.arange(0, D_PAD)[None, :]
+        out = round_to(rotated * q_scale, q_out_ptr.dtype.element_ty, INTERPRET)
+        tl.store(q_out_ptr + (tok * (GROUP * tl.num_programs(1)) + q_head)[:, None] * HEAD_DIM + j, out,
+                 mask=q_ok[:, None] & (j < HEAD_DIM))
 
 
 def check_cache(kv_cache: torch.Tensor, layout: CacheLayout) -> None:
@@ -138,10 +143,13 @@ def store_block_tokens(num_tokens: int, head_dim: int) -> int:
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: CacheLayout,
     key_calibration: KeyCalibration | None = None, block_t: int | None = None, num_warps: int = 8,
-) -> None:
+    query: torch.Tensor | None = None, query_scale: float = 1.0,
+) -> torch.Tensor | None:
     """Quantize key/value (tokens, kv_heads, head_dim) into their slots of the paged cache (-1: skip);
     with a key calibration, the keys (key - mean) / scale (see core.calibration). block_t: tokens per program
-    (None: store_block_tokens)."""
+    (None: store_block_tokens). query (tokens <= key's, q_heads, head_dim): also rotate it in the same launch and
+    return what rotation.rotate_queries(query, layout, query_scale, key_calibration) returns (fp16), for
+    paged_attention(rotated_query=...); None without a query."""
     expected = (key.shape[0], layout.num_kv_heads, layout.head_dim)
     if tuple(key.shape) != expected or tuple(value.shape) != expected:
         raise ValueError(f"key and value must have shape {expected}, got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -154,18 +162,32 @@ def store_kv(
     if key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError("key and value must be contiguous in head_dim")
     num_tokens = key.shape[0]
+    q_rot = None
+    if query is not None:
+        check_dtype("query", query)
+        if query.dim() != 3 or query.shape[0] > num_tokens or query.shape[2] != layout.head_dim \
+                or query.shape[1] % layout.num_kv_heads or query.stride(2) != 1:
+            raise ValueError(f"query must be (<= {num_tokens}, a multiple of {layout.num_kv_heads}, "
+                             f"{layout.head_dim}), contiguous in head_dim, got {tuple(query.shape)}")
+        q_rot = torch.empty(query.shape, dtype=torch.float16, device=query.device)
     if num_tokens == 0:
-        return
+        return q_rot
     if key_calibration is not None:
         check_calibration(key_calibration, layout)
     c = kernel_constants(layout, key.device)
     mean, scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (c.rotation, c.rotation)
     block_t = block_t or store_block_tokens(num_tokens, layout.head_dim)
-    grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2)
+    group = 0 if query is None else query.shape[1] // layout.num_kv_heads
+    q_in = key if query is None else query  # any valid pointer when there is no query
+    grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2 + group)
     _store_kv_kernel[grid](
         key, value, c.rotation, mean, scale, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,
         c.key_values[torch.float32], c.value_values[torch.float32],
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), CALIBRATED=key_calibration is not None, BLOCK_T=block_t, BLOCK_K=32,
-        **page_constants(layout), num_warps=num_warps,  # 8: 4 spill the 3xTF32 operands of the rotation
+        kv_cache.stride(0), kv_cache.stride(1), q_in, key if q_rot is None else q_rot,
+        0 if query is None else query.shape[0], q_in.stride(0), q_in.stride(1), float(query_scale),
+        CALIBRATED=key_calibration is not None, GROUP=max(group, 1), BLOCK_T=block_t, BLOCK_K=32,
+        **page_constants(layout), INTERPRET=INTERPRETED,
+        num_warps=num_warps,  # 8: 4 spill the 3xTF32 operands of the rotation
     )
+    return q_rot

@@ -60,6 +60,8 @@ def warm_up(
     if dense_prefill:  # one binary whatever the lengths
         dequantize_pages(cache, layout, block_table, seq_lens, starts, n, n, dtype, key_calibration)
     query = torch.randn(1, num_q_heads, d, dtype=dtype, device=device)  # one decode over the whole context
+    # A step of decodes stores their keys and rotates their queries in one launch (eager serving runs it uncaptured).
+    store_kv(key[:1], value[:1], cache, slots[-1:], layout, key_calibration, query=query, query_scale=d**-0.5)
     starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for splits in sorted(set(decode_splits)):
         paged_attention(query, cache, layout, block_table, starts, seq_lens, max_query_len=1, scale=d**-0.5,

@@ -276,7 +276,8 @@ class TQ4AttentionBackend(AttentionBackend):
     """TurboQuant KV cache (preset from TURBOQUANT_PRESET / --additional-config, tq4 by default)."""
 
     turboquant_backend: ClassVar[bool] = True  # how compat's spec hook recognizes our layers
-    forward_includes_kv_cache_update: bool = False  # vLLM calls do_kv_cache_update, then forward
+    # forward stores the step's keys/values itself: in a batch of decodes the same launch rotates their queries
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "float16", "bfloat16"]
 
@@ -603,24 +604,22 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
     def _statistics(self) -> KeyStatistics:
         return key_statistics.setdefault(self.layer_name, KeyStatistics(self.num_kv_heads, self.head_size))
 
-    def do_kv_cache_update(
-        self,
-        layer: Any,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        if kv_cache.numel() == 0:  # before the cache is bound
-            return
+    def _store(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+               kv_cache: torch.Tensor, md: TQ4Metadata) -> torch.Tensor | None:
+        """Quantize the step's keys/values into their slots. In a batch of decodes only, the same launch rotates
+        their queries into the cache's basis: returns them for paged_attention (None otherwise)."""
+        if key is None or value is None or self.kv_sharing_target_layer_name is not None:
+            return None  # the layer reads another layer's cache
         from ..kernels import store_kv
 
         # key/value may be padded past the real tokens; slot_mapping is not.
-        n = min(slot_mapping.shape[0], key.shape[0])
+        n = min(md.slot_mapping.shape[0], key.shape[0])
         if self.collect_statistics:
-            self._statistics().add_keys(key[:n][slot_mapping[:n] >= 0])
-        store_kv(key[:n], value[:n], kv_cache, slot_mapping, layout_of_cache(self.preset, self.head_size, kv_cache),
-                 self.key_calibration)
+            self._statistics().add_keys(key[:n][md.slot_mapping[:n] >= 0])
+        decodes_only = md.num_decodes and not md.num_prefills
+        return store_kv(key[:n], value[:n], kv_cache, md.slot_mapping, layout_of_cache(self.preset, self.head_size,
+                        kv_cache), self.key_calibration, query=query[: md.num_decode_tokens] if decodes_only else None,
+                        query_scale=self.scale)
 
     def forward(
         self,
@@ -642,6 +641,7 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         from ..kernels import paged_attention
 
         md = attn_metadata
+        rotated = self._store(query, key, value, kv_cache, md)
         layout = layout_of_cache(self.preset, self.head_size, kv_cache)
         if self.collect_statistics:
             self._statistics().add_queries(query[: md.num_actual_tokens])
@@ -651,7 +651,7 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
             nd = md.num_decode_tokens
             paged_attention(
                 query[:nd], kv_cache, layout, md.decode_block_table, md.decode_query_start_loc, md.decode_seq_lens,
-                max_query_len=1, out=output[:nd], num_splits=md.decode_num_splits, **common,
+                max_query_len=1, out=output[:nd], num_splits=md.decode_num_splits, rotated_query=rotated, **common,
             )
         if md.num_prefills and md.prefill_cu_seqlens_k is not None:
             lo, hi = md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
