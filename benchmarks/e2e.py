@@ -108,8 +108,8 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
     cache = llm.llm_engine.vllm_config.cache_config
     sched = llm.llm_engine.vllm_config.scheduler_config
     # What shapes the steps (and so the decode figure, see NOTES.md session 8): kept with the row.
-    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "tensor_parallel_size": tp, "max_num_seqs": sched.max_num_seqs,
-           "max_num_batched_tokens": sched.max_num_batched_tokens,
+    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "tensor_parallel_size": tp,
+           "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
            "max_cudagraph_capture_size": llm.llm_engine.vllm_config.compilation_config.max_cudagraph_capture_size}
     rng = random.Random(0)
 
@@ -180,8 +180,8 @@ def main() -> None:
                     "a memory-limit load runs more requests at once than that")
     ap.add_argument("--heads", default="16/4", help="query / KV heads of the model (16/4: the kit's reference shape; "
                     "others write e2e_<Q>q<KV>kv.*)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (> 1 writes e2e_tp<N>.*; each GPU holds its "
-                    "share of the KV heads, so KV tokens are what the group holds)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (> 1 writes e2e_tp<N>.*; each GPU holds "
+                    "its share of the KV heads, so KV tokens are what the group holds)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in the results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -236,7 +236,8 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
         r["prefill_tok_s"] = r.get("prefill_tok_s_64x8k")
         if base:
             r["kv_tokens_vs_bf16"] = r["kv_tokens"] / base["kv_tokens"]
-    meta = dict(model=model, runs=runs, generated=GENERATED, tensor_parallel_size=rows[0].get("tensor_parallel_size", 1))
+    meta = dict(model=model, runs=runs, generated=GENERATED,
+                tensor_parallel_size=rows[0].get("tensor_parallel_size", 1))
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
     lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | decode-only steps 64x8k | "

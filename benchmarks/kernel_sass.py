@@ -83,8 +83,8 @@ def main() -> None:
 def compiled(fn, consts: dict, pointers: dict, options: dict, out: Path, divisible=frozenset()):
     """Compiles fn for sm_90; writes its ttgir / ptx / cubin / sass under out; returns (kernel, sass, usage)."""
     names = fn.arg_names
-    signature = {n: pointers.get(n, "constexpr" if n in consts else "fp32" if n in ("softcap", "k_step", "q_scale") else "i32")
-                 for n in names}
+    floats = ("softcap", "k_step", "q_scale")
+    signature = {n: pointers.get(n, "constexpr" if n in consts else "fp32" if n in floats else "i32") for n in names}
     # What the kernel declines to specialize (do_not_specialize[_on_alignment]) compiles without the hint, as it runs.
     kept = {p.name for p in fn.params if not (p.do_not_specialize or p.do_not_specialize_on_alignment)}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible and n in kept}

@@ -155,9 +155,10 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
         return out
     rotation = kernel_constants(layout, out.device).rotation
     block_r, warps = launch_shape(rows, head_dim)
+    s_pad = next_pow2(num_splits)
     _merge_and_unrotate_kernel[(triton.cdiv(rows, block_r),)](
         part_acc, part_ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-        S_PAD=next_pow2(num_splits), HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r,
-        BLOCK_K=max(16, min(32, 512 // (next_pow2(num_splits) * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
+        S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r,
+        BLOCK_K=max(16, min(32, 512 // (s_pad * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
     )
     return out
