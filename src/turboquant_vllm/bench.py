@@ -15,8 +15,8 @@ import torch
 
 from .core.layout import CacheLayout
 from .core.presets import get_preset
-from .kernels import paged_attention, store_kv
-from .kernels.attention import attention_workspace_shape, decode_launch, default_num_splits
+from .ops import paged_attention, store_kv
+from .ops.attention import attention_workspace_shape, decode_num_splits
 
 BLOCK = 16
 
@@ -90,8 +90,7 @@ def ours(b: Batch, preset: str, splits: int | None = None, **tuning) -> tuple[Ca
     for ids, k, v in b.slot_chunks():
         slots = (ids[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()
         store_kv(k, v, cache, slots, layout)
-    splits = splits or default_num_splits(s.batch, s.kv_heads,
-                                         programs_per_sm=decode_launch(layout.preset, s.head_dim).programs_per_sm)
+    splits = splits or decode_num_splits(s.batch, layout)
     ws = torch.empty(attention_workspace_shape(s.batch, s.q_heads, s.head_dim, splits), dtype=torch.float32,
                      device="cuda")
     out = torch.empty_like(b.query)

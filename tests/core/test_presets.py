@@ -1,4 +1,4 @@
-from tests.kernels.cases import skip_if_refused
+from tests.ops.cases import skip_if_refused
 import pytest
 
 from turboquant_vllm.core.layout import CacheLayout

@@ -22,15 +22,15 @@ PRESET_ENV = "TURBOQUANT_PRESET"
 @pytest.fixture(autouse=True)
 def clean_preset_state(monkeypatch):
     """Each test starts with no preset in the environment and none fixed for the process."""
-    from turboquant_vllm.vllm import backend
+    from turboquant_vllm.vllm import settings
 
     monkeypatch.delenv(PRESET_ENV, raising=False)
     monkeypatch.delenv("TURBOQUANT_ALLOW_UNSUPPORTED_VLLM", raising=False)
     monkeypatch.delenv("TURBOQUANT_KEY_CALIBRATION", raising=False)
     monkeypatch.delenv("TURBOQUANT_COLLECT_KEY_STATISTICS", raising=False)
-    monkeypatch.setattr(backend, "_process_preset", None)
-    backend._read_calibration.cache_clear()
-    backend.key_statistics.clear()
+    monkeypatch.setattr(settings, "_process_preset", None)
+    settings.read_calibration.cache_clear()
+    settings.key_statistics.clear()
 
 
 @pytest.fixture
@@ -91,8 +91,8 @@ def make_layers(vllm_config, n, *, num_heads=32, num_kv_heads=8, head_size=128, 
 
 def make_builder(vllm_config, layer_names, kv_heads=8, head_size=128, block_size=BLOCK, preset="tq4"):
     """The metadata builder vLLM makes for one attention group, over our spec."""
-    from turboquant_vllm.vllm.backend import TQ4MetadataBuilder
-    from turboquant_vllm.vllm.compat import TurboQuantFullAttentionSpec
+    from turboquant_vllm.vllm.kv_spec import TurboQuantFullAttentionSpec
+    from turboquant_vllm.vllm.metadata import TQ4MetadataBuilder
 
     spec = TurboQuantFullAttentionSpec(
         block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.uint8, turboquant_preset=preset

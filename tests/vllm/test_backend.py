@@ -12,7 +12,10 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, Multipl
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.vllm import compat
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend, TQ4AttentionImpl, TQ4MetadataBuilder
+from turboquant_vllm.vllm.backend import TQ4AttentionBackend
+from turboquant_vllm.vllm.impl import TQ4AttentionImpl
+from turboquant_vllm.vllm.kv_spec import config_problems
+from turboquant_vllm.vllm.metadata import TQ4MetadataBuilder
 
 H200 = DeviceCapability(9, 0)
 
@@ -180,9 +183,9 @@ def fake_config(**parts):
     ],
 )
 def test_config_level_refusals(setting, needle, monkeypatch):
-    assert compat.config_problems(fake_config()) == []
+    assert config_problems(fake_config()) == []
     cfg = fake_config(**setting)
-    (problem,) = compat.config_problems(cfg)
+    (problem,) = config_problems(cfg)
     assert needle in problem
     monkeypatch.setattr(compat, "current_vllm_config", lambda: cfg)
     assert any(needle in r for r in validate())

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.kernels.cases import make_paged_batch, random_calibration
-from turboquant_vllm.core.reference import paged_attention_reference, store_kv_reference
+from tests.ops.cases import make_paged_batch, random_calibration
+from turboquant_vllm.ops.attention.naive import paged_attention_reference
+from turboquant_vllm.ops.store.naive import store_kv_reference
 
 CASES = [(900, 900), (300, 45), (1200, 400)] if torch.cuda.is_available() else [(90, 90), (60, 7), (70, 30)]
 
@@ -39,7 +40,7 @@ def varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_se
 @pytest.mark.parametrize("window,softcap,calibrated", [(None, None, False), (50, 30.0, False), (50, None, True)])
 def test_dense_prefill_matches_reference(preset, head_dim, group, window, softcap, calibrated, monkeypatch):
     from turboquant_vllm.vllm import compat
-    from turboquant_vllm.vllm.backend import dense_prefill_attention
+    from turboquant_vllm.vllm.impl import dense_prefill_attention
 
     if not torch.cuda.is_available():
         monkeypatch.setattr(compat, "flash_attn_varlen", lambda: (varlen_attention, 3))

@@ -9,9 +9,11 @@ import torch
 
 from tests.vllm.conftest import make_builder, make_cam, make_layers
 from turboquant_vllm.core.calibration import KeyCalibration, save_calibration
-from turboquant_vllm.core.reference import paged_attention_reference
-from turboquant_vllm.kernels import store_kv
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend, key_statistics, layout_of_cache, rank_kv_heads
+from turboquant_vllm.ops.attention.naive import paged_attention_reference
+from turboquant_vllm.ops import store_kv
+from turboquant_vllm.core.layout import layout_of_cache
+from turboquant_vllm.vllm.backend import TQ4AttentionBackend
+from turboquant_vllm.vllm.settings import key_statistics, rank_kv_heads
 
 BLOCK = 16
 Q_HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
@@ -70,7 +72,7 @@ def test_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatc
         return torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
     # earlier steps filled the cached tokens
-    layout = layout_of_cache(impl.preset, HEAD_DIM, kv_cache)
+    layout = layout_of_cache(impl.preset, HEAD_DIM, tuple(kv_cache.shape))
     ctx_slots = torch.cat([slots(i, range(c)) for i, c in enumerate(cached)])
     n_ctx = ctx_slots.shape[0]
     store_kv(rand(n_ctx, KV_HEADS, HEAD_DIM), rand(n_ctx, KV_HEADS, HEAD_DIM), kv_cache, ctx_slots, layout,
@@ -88,9 +90,9 @@ def test_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatc
     assert (md.num_decodes, md.num_prefills) == ((2, 2) if step == "mixed" else (3, 0)) and md.decode_num_splits > 1
     output = torch.full((n_padded, Q_HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
     if step == "decodes":  # the store launch rotates the queries: no launch of its own
-        from turboquant_vllm.kernels import attention
+        import turboquant_vllm.ops.attention.attention as attention_entry
 
-        monkeypatch.setattr(attention, "rotate_queries", None)
+        monkeypatch.setattr(attention_entry, "rotate_queries", None)
     impl.forward(layer, query, key, value, kv_cache, md, output=output)  # stores this step's keys / values first
 
     expected = paged_attention_reference(
@@ -172,15 +174,14 @@ def test_profiling_run_without_metadata_zeroes_the_output(vllm_config, bf16_defa
 
 
 def test_loaded_layers_warm_the_kernels_up_once_per_shape(vllm_config, bf16_default, monkeypatch):
-    """Weight loading compiles the kernels (kernels.warmup) once per layer shape, with the cache's
+    """Weight loading compiles the kernels (ops.warmup) once per layer shape, with the cache's
     block size, the layer's query heads, window and soft-cap."""
-    from turboquant_vllm import kernels
-    from turboquant_vllm.vllm import backend
+    from turboquant_vllm.vllm import impl, settings
 
     calls = []
-    monkeypatch.setattr(kernels, "warm_up", lambda layout, dtype, q_heads, device, **kw: calls.append(
+    monkeypatch.setattr(impl, "warm_up", lambda layout, dtype, q_heads, device, **kw: calls.append(
         (layout.block_size, layout.num_kv_heads, dtype, q_heads, kw["sliding_window"], kw["softcap"])))
-    monkeypatch.setattr(backend, "_logged", set())
+    monkeypatch.setattr(settings, "_logged", set())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     vllm_config.cache_config.block_size = 32
     layers = make_layers(vllm_config, 2, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)

@@ -18,13 +18,14 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from tests.kernels.cases import skip_if_refused
+from tests.ops.cases import skip_if_refused
 from tests.vllm.conftest import make_layers
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import PRESETS, get_preset
 from turboquant_vllm.vllm import compat
 from turboquant_vllm.vllm.backend import TQ4AttentionBackend
-from turboquant_vllm.vllm.compat import TurboQuantFullAttentionSpec, TurboQuantSlidingWindowSpec
+from turboquant_vllm.vllm import kv_spec
+from turboquant_vllm.vllm.kv_spec import TurboQuantFullAttentionSpec, TurboQuantSlidingWindowSpec
 
 
 def tq_spec(preset="tq4", block_size=16, kv_heads=8, head_size=128, **kw):
@@ -87,7 +88,7 @@ def test_hook_is_installed_once(vllm_config, bf16_default):
 
     make_layers(vllm_config, 2)
     hooked = Attention.get_kv_cache_spec
-    compat.install_kv_cache_spec_hook()
+    kv_spec.install_kv_cache_spec_hook()
     assert Attention.get_kv_cache_spec is hooked
     assert not getattr(hooked.__turboquant_original__, "__turboquant_hook__", False)
 
@@ -101,7 +102,7 @@ def test_sliding_window_layers(vllm_config, hybrid_manager_disabled):
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = hybrid_manager_disabled
     vllm_spec = SlidingWindowSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                                   sliding_window=4096)
-    spec = compat.turboquant_kv_cache_spec(sliding_layer(), vllm_config, vllm_spec)
+    spec = kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, vllm_spec)
     expected = TurboQuantFullAttentionSpec if hybrid_manager_disabled else TurboQuantSlidingWindowSpec
     assert type(spec) is expected
     assert spec.sliding_window == 4096
@@ -112,15 +113,15 @@ def test_unsupported_layer_variants_are_refused(vllm_config):
     chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                                         attention_chunk_size=8192)
     with pytest.raises(ValueError, match="attention variant.*--attention-backend"):
-        compat.turboquant_kv_cache_spec(sliding_layer(), vllm_config, chunked)
+        kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, chunked)
     with pytest.raises(ValueError, match="not a TurboQuant spec"):
-        compat.check_builder_spec(chunked, ["model.layers.0.self_attn.attn"])
+        kv_spec.check_builder_spec(chunked, ["model.layers.0.self_attn.attn"])
 
 
 def test_different_value_head_size_is_refused(vllm_config):
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=192, head_size_v=128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="value head size"):
-        compat.turboquant_kv_cache_spec(sliding_layer(), vllm_config, spec)
+        kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, spec)
 
 
 def test_spec_survives_vllm_transformations():

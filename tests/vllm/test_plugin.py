@@ -1,4 +1,4 @@
-"""Plugin registration: entry point, idempotence, no CUDA, works through vLLM's own plugin loader."""
+"""The KV-cache plugin's registration: entry point, idempotence, no CUDA, works through vLLM's own plugin loader."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def declared_entry_point() -> tuple[str, str]:
 
 def test_entry_point_is_declared():
     name, target = declared_entry_point()
-    assert target == "turboquant_vllm.vllm:register"
-    import turboquant_vllm.vllm as plugin
+    assert target == "turboquant_vllm.plugins:register"
+    from turboquant_vllm import plugins
 
-    assert callable(plugin.register)
+    assert plugins.PLUGINS["turboquant-kv-cache"] == "turboquant_vllm.vllm:register"
 
 
 def test_register_is_idempotent_and_registers_custom():
@@ -77,7 +77,7 @@ def test_vllm_plugin_loader_registers_us_without_cuda(tmp_path):
             "path": AttentionBackendEnum.CUSTOM.get_path(),
             "cuda_initialized": torch.cuda.is_initialized(),
             "backend_imported": "turboquant_vllm.vllm.backend" in sys.modules,
-            "kernels_imported": "turboquant_vllm.kernels" in sys.modules,
+            "kernels_imported": "turboquant_vllm.ops" in sys.modules,
         }))
         """,
         tmp_path,

@@ -8,10 +8,10 @@ import torch
 from vllm.utils.math_utils import round_up
 
 from tests.vllm.conftest import make_builder, make_cam, make_layers, workspace_bytes
+from turboquant_vllm.core.layout import cache_layout
 from turboquant_vllm.core.presets import DEFAULT_PRESET, get_preset
-from turboquant_vllm.kernels import attention_workspace_shape, default_num_splits
-from turboquant_vllm.kernels.attention import decode_launch
-from turboquant_vllm.vllm.backend import max_workspace_elems, workspace_elems
+from turboquant_vllm.ops.attention import attention_workspace_shape, decode_launch, decode_num_splits, split_count
+from turboquant_vllm.vllm.metadata import max_workspace_elems, workspace_elems
 
 
 def test_more_layers_add_no_scratch(vllm_config, workspace, bf16_default):
@@ -20,7 +20,8 @@ def test_more_layers_add_no_scratch(vllm_config, workspace, bf16_default):
     reserved = workspace_bytes(workspace)
     sched = vllm_config.scheduler_config
     max_tokens = max(sched.max_num_batched_tokens, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-    elems = max_workspace_elems(32, 8, 128, max_tokens, sched.max_num_seqs, 132, get_preset(DEFAULT_PRESET))
+    layout = cache_layout(get_preset(DEFAULT_PRESET), 128, 8, 16)
+    elems = max_workspace_elems(32, layout, max_tokens, sched.max_num_seqs, 132)
     assert reserved == round_up(elems * 4, 256) > 0
     make_layers(vllm_config, 31, first=1)
     assert workspace_bytes(workspace) == reserved
@@ -34,10 +35,11 @@ def test_reservation_covers_every_step(vllm_config, preset):
     sched = vllm_config.scheduler_config
     q_heads, kv_heads, d, sms = 32, 8, 128, 132
     p = get_preset(preset)
-    most = max_workspace_elems(q_heads, kv_heads, d, sched.max_num_batched_tokens, sched.max_num_seqs, sms, p)
+    most = max_workspace_elems(q_heads, cache_layout(p, d, kv_heads, 16), sched.max_num_batched_tokens,
+                               sched.max_num_seqs, sms)
     assert most >= attention_workspace_shape(sched.max_num_batched_tokens, q_heads, d, 1)[0]
     for seqs in range(1, sched.max_num_seqs + 1):
-        splits = default_num_splits(seqs, kv_heads, sms, decode_launch(p, d).programs_per_sm)
+        splits = split_count(seqs, kv_heads, sms, decode_launch(p, d).programs_per_sm)
         assert most >= attention_workspace_shape(seqs, q_heads, d, splits)[0]
         # a mixed step: seqs decodes, the rest of the token budget as prefill
         assert most >= workspace_elems(seqs, sched.max_num_batched_tokens - seqs, splits, q_heads, d)
@@ -74,10 +76,9 @@ def test_no_workspace_manager_no_reservation(vllm_config, bf16_default):
 @pytest.mark.parametrize("sms", [78, 132])
 @pytest.mark.parametrize("preset,head_dim", [("tq4", 128), ("tq4", 256), ("tq3", 128), ("k5v4", 128)])
 def test_split_choice_is_the_kernels_and_fixed_by_batch_shape(sms, preset, head_dim):
-    from turboquant_vllm.vllm.backend import decode_num_splits
-
     p = get_preset(preset)
+    layout = cache_layout(p, head_dim, 8, 16)
     per_sm = decode_launch(p, head_dim).programs_per_sm
     for seqs in (1, 2, 3, 8, 64, 256):
-        assert decode_num_splits(seqs, 8, sms, p, head_dim) == default_num_splits(seqs, 8, sms, per_sm)
-    assert decode_num_splits(0, 8, sms, p, head_dim) == 1
+        assert decode_num_splits(seqs, layout, sms) == split_count(seqs, 8, sms, per_sm)
+    assert decode_num_splits(0, layout, sms) == 1

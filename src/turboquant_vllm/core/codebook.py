@@ -102,7 +102,7 @@ def _distortion_per_coord(mags: np.ndarray, dim: int) -> float:
 def codebook(bits: int, dim: int) -> Codebook:
     """The codebook the package quantizes with: Lloyd-Max, except that the 4-bit magnitudes are moved
     onto the int8 grid (t + 1/2) * step, the step chosen to cost the least distortion. The attention
-    kernel then multiplies queries with 4-bit keys as an exact int8 MMA (kernels.common.nibble_int8_asm);
+    kernel then multiplies queries with 4-bit keys as an exact int8 MMA (ops.utils.nibble_int8_asm);
     the move costs < 0.1% of the distortion (tests/core/test_codebook.py)."""
     cb = lloyd_max(bits, dim)
     if bits != 4:

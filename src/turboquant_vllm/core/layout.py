@@ -9,6 +9,7 @@ contiguous bytes:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .presets import NORM_BYTES, Preset
@@ -32,7 +33,7 @@ class CacheLayout:
                 f"got {d}; use another attention backend for this model"
             )
         if self.preset.k_bits == 5 and d < K5_MIN_HEAD_DIM:
-            # The attention kernel faults with 5-bit keys at head_dim 64 on the GPU (NOTES.md): refuse, never garbage.
+            # The attention kernel faults with 5-bit keys at head_dim 64 on the GPU: refuse, never garbage.
             raise ValueError(
                 f"preset {self.preset.name} needs head_dim >= {K5_MIN_HEAD_DIM}, got {d}; use tq4 (TURBOQUANT_PRESET=tq4)"
             )
@@ -76,3 +77,20 @@ class CacheLayout:
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
         return (num_blocks, self.num_kv_heads, self.head_page_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def cache_layout(preset: Preset, head_dim: int, num_kv_heads: int, block_size: int) -> CacheLayout:
+    """The layout of these dimensions, built (and validated) once per process."""
+    return CacheLayout(preset, head_dim, num_kv_heads, block_size)
+
+
+def layout_of_cache(preset: Preset, head_dim: int, cache_shape: tuple[int, ...]) -> CacheLayout:
+    """The layout a cache tensor of cache_shape (num_blocks, num_kv_heads, head_page_bytes) was made with."""
+    per_token = preset.bytes_per_token_per_head(head_dim)
+    if len(cache_shape) != 3 or cache_shape[-1] % per_token:
+        raise ValueError(
+            f"KV cache of shape {tuple(cache_shape)} was not laid out for preset {preset.name} at "
+            f"head_dim {head_dim} ({per_token} B per token per head)"
+        )
+    return cache_layout(preset, head_dim, cache_shape[1], cache_shape[-1] // per_token)

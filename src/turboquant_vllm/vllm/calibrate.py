@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from . import CALIBRATION_ENV, COLLECT_ENV
+from .settings import CALIBRATION_ENV, COLLECT_ENV
 
 
 def read_texts(paths: list[str | Path]) -> str:
@@ -50,7 +50,7 @@ def calibrate(model: str, texts: list[str | Path], out: str | Path, *, max_token
     os.environ.pop(CALIBRATION_ENV, None)  # statistics of the uncalibrated keys
     from vllm import LLM, SamplingParams
 
-    from .backend import key_statistics
+    from .settings import key_statistics
 
     t0 = time.perf_counter()
     llm = LLM(model=model, attention_config={"backend": "CUSTOM"}, enforce_eager=True, max_model_len=window + 1,

@@ -7,8 +7,7 @@ import torch
 
 from tests.vllm.conftest import make_builder, make_cam, make_layers
 from turboquant_vllm.core.presets import get_preset
-from turboquant_vllm.kernels import default_num_splits
-from turboquant_vllm.kernels.attention import decode_launch
+from turboquant_vllm.ops.attention import decode_launch, split_count
 
 TQ4_PER_SM = decode_launch(get_preset("tq4"), 128).programs_per_sm  # the builder's layers: tq4, head_dim 128
 
@@ -20,7 +19,7 @@ def builder(vllm_config, bf16_default):
 
 
 def test_builder_setup(builder):
-    assert builder.num_q_heads == 32 and builder.num_kv_heads == 8 and builder.head_dim == 128
+    assert builder.num_q_heads == 32 and builder.layout.num_kv_heads == 8 and builder.layout.head_dim == 128
     assert builder.reorder_batch_threshold == 1  # vLLM orders decodes first
 
 
@@ -28,7 +27,7 @@ def test_decode_batch_uses_persistent_tensors(builder):
     cam = make_cam([1, 1, 1], [17, 300, 5])
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.num_prefill_tokens) == (3, 3, 0, 0)
-    assert md.decode_num_splits == default_num_splits(3, 8, builder.num_sms, TQ4_PER_SM)
+    assert md.decode_num_splits == split_count(3, 8, builder.num_sms, TQ4_PER_SM)
     # a captured graph must see the runner's persistent buffers, not copies
     assert md.decode_query_start_loc is cam.query_start_loc
     assert md.decode_seq_lens is cam.seq_lens and md.decode_block_table is cam.block_table_tensor
@@ -69,7 +68,7 @@ def test_mixed_batch_splits_decodes_from_the_rest(builder):
     assert md.prefill_query_start_loc.tolist() == [0, 7, 10]  # rebased to the prefill tokens
     assert md.prefill_seq_lens.tolist() == [7, 23]
     assert md.prefill_block_table.shape[0] == 2
-    assert md.decode_num_splits == default_num_splits(2, 8, builder.num_sms, TQ4_PER_SM)
+    assert md.decode_num_splits == split_count(2, 8, builder.num_sms, TQ4_PER_SM)
 
 
 def test_uniform_speculative_batch_is_one_capturable_launch(builder):
@@ -94,7 +93,7 @@ def test_builds_for_capture_and_drafting(builder):
 def test_builder_refuses_an_uncompressed_spec(vllm_config, bf16_default):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from turboquant_vllm.vllm.backend import TQ4MetadataBuilder
+    from turboquant_vllm.vllm.metadata import TQ4MetadataBuilder
 
     make_layers(vllm_config, 1)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
@@ -103,7 +102,7 @@ def test_builder_refuses_an_uncompressed_spec(vllm_config, bf16_default):
 
 
 def test_long_prefills_take_the_dense_path(builder, monkeypatch):
-    from turboquant_vllm.vllm.backend import DENSE_PREFILL_MIN_TOKENS
+    from turboquant_vllm.vllm.metadata import DENSE_PREFILL_MIN_TOKENS
 
     builder.dense_prefill = True  # as on a GPU where FlashAttention imports
     n = DENSE_PREFILL_MIN_TOKENS

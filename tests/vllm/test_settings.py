@@ -9,8 +9,9 @@ import torch
 
 from turboquant_vllm.core.presets import PRESETS, get_preset
 from turboquant_vllm.vllm import PRESET_CONFIG_KEY, resolve_preset
-from turboquant_vllm.vllm import backend as tq_backend
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend, describe_preset, process_preset
+from turboquant_vllm.vllm import settings
+from turboquant_vllm.vllm.backend import TQ4AttentionBackend
+from turboquant_vllm.vllm.settings import describe_preset, process_preset
 
 
 def config_with(preset=None):
@@ -90,7 +91,7 @@ def test_startup_line_is_logged_once_per_process(vllm_config, monkeypatch, bf16_
     from tests.vllm.conftest import make_layers
 
     lines = []
-    monkeypatch.setattr(tq_backend, "_logged", set())
-    monkeypatch.setattr(tq_backend.logger, "info", lambda fmt, *args: lines.append(fmt % args))
+    monkeypatch.setattr(settings, "_logged", set())
+    monkeypatch.setattr(settings.logger, "info", lambda fmt, *args: lines.append(fmt % args))
     make_layers(vllm_config, 3)
     assert lines == [describe_preset(get_preset("tq4"), 128)]

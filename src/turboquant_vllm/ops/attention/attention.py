@@ -1,0 +1,134 @@
+"""Paged attention straight over the compressed cache (decode, prefill, chunked prefill): the entry point.
+
+Reference: naive.paged_attention_reference.
+
+Attention runs in the rotated basis: q.k = ||k|| (R q).value[code_k] and
+sum_j p_j v_j = R^T sum_j p_j ||v_j|| value[code_v,j]. ops.rotation rotates the queries once before and the
+outputs once after (merging the splits there); the inner loop is load codes -> unpack -> table lookup -> MMA, with
+the norms applied to the scores (keys) and to the exponents (values: log2 of the norm), never per element. 4-bit
+keys decode to int8 (one byte permute per 4 codes; the codebook lies on an int8 grid: core.codebook.codebook) and
+meet the queries' int8 hi / lo parts in exact integer MMAs; values decode to fp16.
+
+Two kernels: decode.py (one query token per sequence, one-warp programs, every preset but 5-bit keys) and
+general.py (tiles of query tokens, all query heads of one KV head per program, so each compressed byte is read
+once per KV head). Both split the context when launch.py says so and write partials to the workspace; which
+kernel, how many warps, stages, registers and splits is decided in launch.py alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.calibration import KeyCalibration
+from ...core.layout import CacheLayout
+from ..constants import kernel_constants
+from ..rotation import merge_and_unrotate, rotate_queries
+from ..utils import INTERPRETED, check_cache, check_calibration, check_dtype, check_index, next_pow2, page_constants
+from .decode import _decode_kernel
+from .general import _attention_kernel
+from .launch import GENERAL_LAUNCH, attention_workspace_shape, decode_launch, decode_num_splits, num_sms, per_warp_decode
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: CacheLayout,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    key_calibration: KeyCalibration | None = None,
+    max_registers: int | None = None,
+    rotated_query: torch.Tensor | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
+    key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
+    num_warps, num_stages, max_registers (per thread, 0: the compiler's choice): None takes decode_launch's choice
+    for decode, the general kernel's otherwise. rotated_query: the query already in the cache's basis, as
+    store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch fewer).
+    validate=False: the caller has checked kv_cache against layout already (the vLLM backend, once per forward)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    check_dtype("query", query)
+    if validate:
+        check_cache(kv_cache, layout)
+    if head_dim != layout.head_dim:
+        raise ValueError(f"query head_dim {head_dim} does not match the cache layout's {layout.head_dim}")
+    if num_q_heads % layout.num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {layout.num_kv_heads} KV heads")
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(f"out must match query: {tuple(query.shape)} {query.dtype}")
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        check_index(name, t, query)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] < num_seqs:
+        raise ValueError("query_start_loc needs num_seqs + 1 entries and block_table a row per sequence")
+    if num_tokens == 0:
+        return out
+    group = num_q_heads // layout.num_kv_heads
+    g_pad = next_pow2(group)
+    decode_only = max_query_len == 1
+    block_q = 1 if decode_only else max(1, 64 // g_pad)
+    block_m = max(16, block_q * g_pad)
+    per_warp = decode_only and per_warp_decode(layout.preset)
+    launch = decode_launch(layout.preset, head_dim) if decode_only else GENERAL_LAUNCH
+    num_warps = num_warps or launch.num_warps
+    block_n = block_n or 32 * num_warps
+    num_stages = num_stages or launch.num_stages
+    max_registers = launch.max_registers if max_registers is None else max_registers
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, layout, num_sms(query.device)) if decode_only else 1
+    need = attention_workspace_shape(num_tokens, num_q_heads, head_dim, num_splits)[0]
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=query.device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < need:
+        raise ValueError(f"workspace must be float32 with >= {need} elements")
+    rows = num_tokens * num_q_heads
+    part_acc = workspace[: rows * num_splits * head_dim]
+    part_ml = workspace[rows * num_splits * head_dim : need]
+
+    if key_calibration is not None:
+        check_calibration(key_calibration, layout)
+    c = kernel_constants(layout, query.device)
+    # MMA operands are fp16 whatever the model dtype (3 more mantissa bits than bf16, same speed), but for
+    # 4-bit keys: int8 keys and int8 hi / lo parts of the queries (exact products, see the kernel).
+    if rotated_query is None:
+        q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
+    elif rotated_query.shape != query.shape or rotated_query.dtype != torch.float16 or rotated_query.stride(2) != 1:
+        raise ValueError(f"rotated_query must be float16 of the query's shape {tuple(query.shape)}")
+    else:
+        q_rot = rotated_query
+    common = dict(
+        NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, **page_constants(layout),
+        USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
+        K_ASM="" if INTERPRETED else c.key_mma_asm, V_ASM="" if INTERPRETED else c.value_lookup_asm,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
+    )
+    k_table = c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16]
+    strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
+    if per_warp:
+        _decode_kernel[(num_seqs, layout.num_kv_heads, num_splits)](
+            q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
+            part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
+            ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, V_CHUNKS=2 if head_dim > 64 else 1,
+            **common,
+        )
+    else:
+        grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
+        _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
+            q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
+            part_acc, part_ml, num_seqs, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
+            G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DECODE_ONLY=decode_only,
+            **common,
+        )
+    return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout)

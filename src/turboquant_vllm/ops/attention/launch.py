@@ -1,0 +1,79 @@
+"""The decode launch policy, decided here only: which kernel, warps, pipeline stages, registers and split count.
+
+Measured on the H200 (benchmarks/results/kernel_variants/h200-decode-tables-stages-launch.log); the vLLM backend
+and the benchmarks ask this module, never a copy of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...core.layout import CacheLayout
+from ...core.presets import Preset
+from ..utils import next_pow2
+
+NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs)
+
+
+def num_sms(device: torch.device | None = None) -> int:
+    """Streaming multiprocessors of the CUDA device (the current one by default); NUM_SMS_FALLBACK without CUDA."""
+    if not torch.cuda.is_available():
+        return NUM_SMS_FALLBACK
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def per_warp_decode(preset: Preset) -> bool:
+    """Decode runs the decode kernel except over 5-bit keys: their table gathers made k5v4 1.8x slower there than in
+    the general kernel."""
+    return preset.k_bits != 5
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How a layout's decode launches: what was measured to pay on the H200."""
+
+    num_warps: int
+    num_stages: int  # Triton's pipeline depth: 5 gives each of the loop's loads two buffers, 2..4 one
+    max_registers: int  # per thread; 0: the compiler's choice
+    programs_per_sm: int  # the split count's target (split_count)
+
+
+GENERAL_LAUNCH = AttentionLaunch(4, 3, 0, 1)  # the general kernel outside decode: one split
+
+
+def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
+    """tq4 at head_dim <= 128: one-warp programs, loads two tiles ahead, 168 registers (12 programs fit an SM) and
+    ~6 programs per SM, one wave: 1.07x over one tile ahead and 24 programs per SM at 16 / 4 heads, 64 x 8k and
+    32 x 32k, 1.09x at head_dim 64. The narrower presets: one tile ahead (two buffers cost them 5%), 24 programs per
+    SM, 168 registers at head_dim 65..128 (tq3 1.05x, tq2 1.09x over uncapped), as tq4 at head_dim 256. The general
+    kernel (5-bit keys): four warps, 2 programs per SM, no register cap (every cap tried lost)."""
+    if not per_warp_decode(preset):
+        return AttentionLaunch(4, 3, 0, 2)
+    width = next_pow2(head_dim)
+    if preset.k_bits == 4 and preset.v_bits == 4:
+        return AttentionLaunch(1, 5, 168, 6) if width <= 128 else AttentionLaunch(1, 3, 0, 24)
+    return AttentionLaunch(1, 3, 168 if width == 128 else 0, 24)
+
+
+def split_count(num_seqs: int, num_kv_heads: int, sms: int, programs_per_sm: int) -> int:
+    """Splits so that sequences x KV heads x splits give every SM about programs_per_sm programs, rounded up to a
+    power of two, at most 32. Depends on the batch shape only, so a captured CUDA graph replays correctly."""
+    programs = max(1, num_seqs * num_kv_heads)
+    return max(1, min(32, next_pow2(math.ceil(programs_per_sm * sms / programs))))
+
+
+def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None) -> int:
+    """The split count of a decode launch of num_seqs sequences over this layout (1 without decodes)."""
+    if not num_seqs:
+        return 1
+    launch = decode_launch(layout.preset, layout.head_dim)
+    return split_count(num_seqs, layout.num_kv_heads, sms or num_sms(), launch.programs_per_sm)
+
+
+def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:
+    """fp32 elements of scratch: each split's partials (accumulator, row max, row sum) per output row."""
+    return (num_tokens * num_q_heads * num_splits * (head_dim + 2),)

@@ -1,0 +1,164 @@
+"""Into and out of the cache's rotated basis: queries before paged attention, outputs after.
+
+References: naive.rotate_queries_reference ((q * key scale) @ R.T * scale) and
+merge_and_unrotate_reference (the split merge, then @ R), R being core.rotation's matrix (fp32).
+
+Each direction is one launch that also does what used to be separate torch ops around it (the
+key calibration's query scale, the softmax scale, the split merge, the casts): a decode step has
+a few hundred rows, where a GEMM library call alone took 5.8-9 µs. The
+product runs on tensor cores in 3xTF32 (fp32 accuracy: the split a = a_hi + a_lo recovers the
+bits one TF32 operand drops).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...core.calibration import KeyCalibration
+from ...core.layout import CacheLayout
+from ..constants import kernel_constants
+from ..utils import INTERPRETED, next_pow2, round_to
+
+LARGE_ROWS = 4096  # rows (tokens x query heads) above which a launch takes the wide tiles
+
+
+def launch_shape(rows: int, head_dim: int) -> tuple[int, int]:
+    """(rows per program, warps): 16 rows spread a decode step's few over many SMs; 64 rows (8 warps,
+    to hold the accumulator without spilling) read R (64 KB at d 128) 4x less often from L2."""
+    return (64, 8) if rows > LARGE_ROWS and head_dim <= 128 else (16, 4)
+
+
+@triton.jit
+def matrix_rows(m_ptr, k0, stride_k, stride_j, BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Rows k0 .. k0 + BLOCK_K of the fp32 matrix M[k, j] = m_ptr[k * stride_k + j * stride_j], zero-padded."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    j = tl.arange(0, D_PAD)
+    return tl.load(m_ptr + k[:, None] * stride_k + j[None, :] * stride_j,
+                   mask=(k[:, None] < HEAD_DIM) & (j[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, cal_base, CALIBRATION: tl.constexpr,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(x @ R.T, sum of x^2) in fp32 for the rows x at src_ptr + row_base ((BLOCK_R, 1) offsets), masked by valid.
+    CALIBRATION 0: x = the rows; 1 (keys under a key calibration): (rows - mean) / scale; 2 (queries under one):
+    rows * scale; mean and scale rows at mean_ptr / scale_ptr + cal_base (broadcasting over the rows)."""
+    sq = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
+    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        ok = valid[:, None] & (k < HEAD_DIM)
+        x = tl.load(src_ptr + row_base + k, mask=ok, other=0.0).to(tl.float32)
+        if CALIBRATION == 1:
+            mean = tl.load(mean_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0)
+            scale = tl.load(scale_ptr + cal_base + k, mask=k < HEAD_DIM, other=1.0)
+            x = tl.where(ok, (x - mean) / scale, 0.0)
+        elif CALIBRATION == 2:
+            x *= tl.load(scale_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0)
+        sq += tl.sum(x * x, axis=1)
+        acc = tl.dot(x, matrix_rows(rot_ptr, k0, 1, HEAD_DIM, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
+    return acc, sq
+
+
+# Row and head counts change with every batch: specializing on them would recompile mid-serving.
+@triton.jit(do_not_specialize=["num_rows", "num_q_heads", "group"])
+def _rotate_queries_kernel(
+    q_ptr, out_ptr, rot_ptr, key_scale_ptr, num_rows, num_q_heads, group, stride_qt, stride_qh, scale,
+    CALIBRATION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out[row] = (q[row] * key scale of its KV head (CALIBRATION 2)) @ R.T * scale; rows are (token, query head)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    token = rows // num_q_heads
+    head = rows % num_q_heads
+    acc, _ = rotate_rows(q_ptr, (token * stride_qt + head * stride_qh)[:, None], row_ok, rot_ptr, key_scale_ptr,
+                         key_scale_ptr, ((head // group) * HEAD_DIM)[:, None], CALIBRATION, HEAD_DIM, D_PAD, BLOCK_R,
+                         BLOCK_K)
+    j = tl.arange(0, D_PAD)
+    out = round_to(acc * scale, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + j[None, :], out, mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_q_heads"])
+def _merge_and_unrotate_kernel(
+    acc_ptr, ml_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out[row] = o[row] @ R, cast to out's dtype, o the softmax merge of NUM_SPLITS partials (unnormalized acc
+    (rows, splits, d), row maxima (log2) and sums in ml); any number of splits, padded to S_PAD = a power of two."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    s = tl.arange(0, S_PAD)
+    s_ok = row_ok[:, None] & (s[None, :] < NUM_SPLITS)
+    ml = ml_ptr + rows[:, None] * (2 * NUM_SPLITS) + s[None, :]
+    m = tl.load(ml, mask=s_ok, other=float("-inf"))
+    l_part = tl.load(ml + NUM_SPLITS, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row that saw no key
+    w = tl.exp2(m - m_max[:, None])
+    total = tl.sum(w * l_part, axis=1)
+    w = w / tl.where(total == 0.0, 1.0, total)[:, None]  # a row that saw no key stays 0
+    acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
+    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok[:, None] & (k[None, :] < HEAD_DIM)
+        part = tl.load(acc_ptr + (rows[:, None, None] * NUM_SPLITS + s[None, :, None]) * HEAD_DIM + k[None, None, :],
+                       mask=ok[:, None, :] & s_ok[:, :, None], other=0.0)
+        x = tl.sum(part * w[:, :, None], axis=1)
+        acc = tl.dot(x, matrix_rows(rot_ptr, k0, HEAD_DIM, 1, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
+    token = rows // num_q_heads
+    head = rows % num_q_heads
+    j = tl.arange(0, D_PAD)
+    out = round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + j[None, :], out,
+             mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
+
+
+def rotate_queries(
+    query: torch.Tensor, layout: CacheLayout, scale: float, key_calibration: KeyCalibration | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """query (tokens, q_heads, head_dim) into the rotated basis, times the key calibration's scale and
+    `scale` (the inner loops then work on codes directly); a new contiguous tensor of `dtype`."""
+    tokens, q_heads, head_dim = query.shape
+    if query.stride(2) != 1:
+        raise ValueError("query must be contiguous in head_dim")
+    out = torch.empty(query.shape, dtype=dtype, device=query.device)
+    rows = tokens * q_heads
+    if rows == 0:
+        return out
+    rotation = kernel_constants(layout, query.device).rotation
+    key_scale = key_calibration.scale if key_calibration is not None else rotation  # any valid pointer
+    block_r, warps = launch_shape(rows, head_dim)
+    _rotate_queries_kernel[(triton.cdiv(rows, block_r),)](
+        query, out, rotation, key_scale, rows, q_heads, q_heads // layout.num_kv_heads, query.stride(0),
+        query.stride(1), float(scale), CALIBRATION=2 if key_calibration is not None else 0, HEAD_DIM=head_dim,
+        D_PAD=next_pow2(head_dim), BLOCK_R=block_r, BLOCK_K=32, INTERPRET=INTERPRETED, num_warps=warps,
+    )
+    return out
+
+
+def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, out: torch.Tensor,
+                       layout: CacheLayout) -> torch.Tensor:
+    """out = (softmax merge of the split partials) @ R: part_acc (rows, splits, head_dim) unnormalized
+    accumulators, part_ml (rows, 2, splits) log2-domain row maxima and sums, rows = (token, q head)."""
+    tokens, q_heads, head_dim = out.shape
+    if out.stride(2) != 1:
+        raise ValueError("out must be contiguous in head_dim")
+    rows = tokens * q_heads
+    if rows == 0:
+        return out
+    rotation = kernel_constants(layout, out.device).rotation
+    block_r, warps = launch_shape(rows, head_dim)
+    s_pad = next_pow2(num_splits)
+    _merge_and_unrotate_kernel[(triton.cdiv(rows, block_r),)](
+        part_acc, part_ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+        S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r,
+        BLOCK_K=max(16, min(32, 512 // (s_pad * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
+    )
+    return out

@@ -1,0 +1,224 @@
+"""The attention impl: store the step's keys/values, then attend over the compressed pages.
+
+- Store: forward quantizes the new keys/values into their slots (ops.store_kv); in a batch of decodes the same
+  launch rotates their queries into the cache's basis (vLLM calls no separate do_kv_cache_update).
+- Attention: decodes run the decode kernel, the rest the general kernel or, for long prefills, FlashAttention over
+  the context expanded into the model's basis (dense_prefill_attention); all read the same pages.
+- Warm-up: once the weights are loaded, the kernels of this layer's shapes are compiled (ops.warmup), so that no
+  request waits for a Triton compile.
+- Key calibration (optional, core.calibration): each layer takes its mean and scale from the file once its
+  weights are loaded, sliced to its tensor-parallel rank's KV heads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..core.calibration import KeyCalibration, KeyStatistics
+from ..core.layout import CacheLayout, cache_layout, layout_of_cache
+from ..ops import dequantize_pages, paged_attention, store_kv, warm_up
+from ..ops.attention import decode_num_splits, num_sms
+from ..ops.constants import kernel_constants
+from ..ops.utils import check_cache
+from . import compat
+from .compat import AttentionImpl, AttentionType
+from .kv_spec import install_kv_cache_spec_hook
+from .metadata import TQ4Metadata, reserve_workspace
+from .settings import (CALIBRATION_ENV, COLLECT_ENV, describe_preset, first_time, key_statistics, layer_calibration,
+                       logger, process_preset, read_calibration, resolve_calibration_path)
+
+KERNEL_BLOCK_MULTIPLE = 16  # vLLM block sizes we accept: multiples of 16 (CacheLayout needs 4)
+WAY_OUT = "serve this model with another --attention-backend"
+
+
+def dense_prefill_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, layout: CacheLayout, block_table: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_k: torch.Tensor, *, total_k: int,
+    max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None, softcap: float | None,
+    out: torch.Tensor, key_calibration: KeyCalibration | None = None, validate: bool = True,
+) -> None:
+    """Attention over the compressed pages for long prefills: expand the sequences' context once into the
+    model's basis (exact cache values), then FlashAttention on the queries as they are, straight into `out`;
+    the same result as paged_attention."""
+    flash, version = compat.flash_attn_varlen()
+    k, v = dequantize_pages(kv_cache, layout, block_table, seq_lens, cu_seqlens_k, total_k, max_seq_len, query.dtype,
+                            key_calibration, validate=validate)
+    window = [sliding_window - 1, 0] if sliding_window else [-1, -1]
+    flash(query, k, v, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc, max_seqlen_k=max_seq_len,
+          cu_seqlens_k=cu_seqlens_k, softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0,
+          out=out, fa_version=version)
+
+
+class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra: Any,
+    ) -> None:
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(f"TurboQuant serves decoder self-attention only, not {attn_type}; {WAY_OUT}")
+        if alibi_slopes is not None:
+            raise ValueError(f"TurboQuant does not support ALiBi; {WAY_OUT}")
+        if extra.get("sinks") is not None:
+            raise ValueError(f"TurboQuant does not support attention sinks; {WAY_OUT}")
+        off = {"chunk_lookback": -1}  # options some models pass with their "disabled" value
+        unknown = sorted(
+            k for k, v in extra.items() if v is not None and v is not False and off.get(k, object()) != v
+        )
+        if unknown:  # a model asking for attention features we would silently ignore
+            raise ValueError(f"TurboQuant does not support the attention option(s) {unknown}; {WAY_OUT}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window  # tokens, the current one included (vLLM's meaning)
+        self.softcap = float(logits_soft_cap) if logits_soft_cap else None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+
+        vllm_config = compat.current_vllm_config()
+        self.preset = process_preset(vllm_config)
+        cache_config = getattr(vllm_config, "cache_config", None)
+        block_size = getattr(cache_config, "block_size", None) or KERNEL_BLOCK_MULTIPLE
+        # Names the constraint if the head size or block size cannot be served.
+        self.layout = cache_layout(self.preset, head_size, self.num_kv_heads, block_size)
+        if first_time("preset", self.preset.name, head_size):
+            logger.info("%s", describe_preset(self.preset, head_size))
+        install_kv_cache_spec_hook()
+        # Reserved here, during model construction, so vLLM's memory profile counts the scratch
+        # before it sizes the KV cache; every later layer finds it big enough.
+        reserve_workspace(vllm_config, num_heads, self.layout)
+        self.vllm_config = vllm_config
+        self.collect_statistics = os.environ.get(COLLECT_ENV) == "1"
+        self.calibration_path = resolve_calibration_path(vllm_config)
+        if self.calibration_path:
+            if self.softcap:
+                raise ValueError(
+                    f"a key calibration is exact only without a logit soft-cap, and this model caps logits at "
+                    f"{self.softcap}; unset {CALIBRATION_ENV} (and --additional-config turboquant_key_calibration)"
+                )
+            read_calibration(self.calibration_path)  # a missing or foreign file fails now, at startup
+        self.layer_name: str | None = None
+        self.key_calibration: KeyCalibration | None = None  # set once the layer is known (weights loaded)
+        self._bound: tuple[torch.Size, CacheLayout] | None = None  # (shape, layout) of the cache last bound
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if self.calibration_path or self.collect_statistics:
+            # Every layer is registered by now, so the forward context names this one.
+            self.layer_name = compat.layer_name_of(self, self.vllm_config)
+        if self.calibration_path:
+            rank, tp_size = compat.tensor_parallel_rank()
+            self.key_calibration = layer_calibration(
+                self.calibration_path, self.layer_name, self.num_kv_heads, self.head_size, rank, tp_size).to(device)
+            if first_time("calibration", self.calibration_path):
+                logger.info("TurboQuant key calibration: %s", self.calibration_path)
+        # Build the kernels' device tables (rotation, codebooks) now, never inside a graph capture.
+        if device.type == "cuda":
+            kernel_constants(self.layout, device)
+            self._warm_up(act_dtype, device)
+
+    def _warm_up(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compile the kernels now, once per layer shape, instead of inside the first requests (ops.warmup)."""
+        layout = self.layout
+        if not first_time("warm-up", layout, dtype, self.num_heads, self.sliding_window, self.softcap,
+                          self.key_calibration is not None):
+            return
+        start = time.perf_counter()
+        # Every split count a decode batch can take: graph capture compiles those of the captured sizes only.
+        max_seqs = getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", None) or 1
+        sms = num_sms(device)
+        splits = {decode_num_splits(b, layout, sms) for b in range(1, max_seqs + 1)}
+        warm_up(layout, dtype, self.num_heads, device, sliding_window=self.sliding_window, softcap=self.softcap,
+                key_calibration=self.key_calibration, dense_prefill=compat.flash_attn_varlen() is not None,
+                decode_splits=splits)
+        torch.cuda.synchronize(device)
+        logger.info("TurboQuant kernels ready in %.1f s (compiled now rather than inside the first requests)",
+                    time.perf_counter() - start)
+
+    def _statistics(self) -> KeyStatistics:
+        return key_statistics.setdefault(self.layer_name, KeyStatistics(self.num_kv_heads, self.head_size))
+
+    def _cache_layout(self, kv_cache: torch.Tensor) -> CacheLayout:
+        """The layout of the bound cache, derived and checked once per cache shape (vLLM binds one per layer)."""
+        if self._bound is None or self._bound[0] != kv_cache.shape:
+            layout = layout_of_cache(self.preset, self.head_size, tuple(kv_cache.shape))
+            check_cache(kv_cache, layout)
+            self._bound = (kv_cache.shape, layout)
+        return self._bound[1]
+
+    def _store(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+               kv_cache: torch.Tensor, layout: CacheLayout, md: TQ4Metadata) -> torch.Tensor | None:
+        """Quantize the step's keys/values into their slots. In a batch of decodes only, the same launch rotates
+        their queries into the cache's basis: returns them for paged_attention (None otherwise)."""
+        if key is None or value is None or self.kv_sharing_target_layer_name is not None:
+            return None  # the layer reads another layer's cache
+        # key/value may be padded past the real tokens; slot_mapping is not.
+        n = min(md.slot_mapping.shape[0], key.shape[0])
+        if self.collect_statistics:
+            self._statistics().add_keys(key[:n][md.slot_mapping[:n] >= 0])
+        decodes_only = md.num_decodes and not md.num_prefills
+        return store_kv(key[:n], value[:n], kv_cache, md.slot_mapping, layout, self.key_calibration,
+                        query=query[: md.num_decode_tokens] if decodes_only else None, query_scale=self.scale,
+                        validate=False)
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TQ4Metadata,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert output is not None, "TurboQuant writes into the output buffer vLLM provides"
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by TurboQuant")
+        if attn_metadata is None:  # memory-profiling run: no cache, no metadata
+            return output.fill_(0)
+        md = attn_metadata
+        layout = self._cache_layout(kv_cache)  # every launch below skips re-checking the cache
+        rotated = self._store(query, key, value, kv_cache, layout, md)
+        if self.collect_statistics:
+            self._statistics().add_queries(query[: md.num_actual_tokens])
+        common = dict(scale=self.scale, sliding_window=self.sliding_window, softcap=self.softcap,
+                      workspace=md.workspace, key_calibration=self.key_calibration, validate=False)
+        if md.num_decodes:
+            nd = md.num_decode_tokens
+            paged_attention(
+                query[:nd], kv_cache, layout, md.decode_block_table, md.decode_query_start_loc, md.decode_seq_lens,
+                max_query_len=1, out=output[:nd], num_splits=md.decode_num_splits, rotated_query=rotated, **common,
+            )
+        if md.num_prefills:
+            lo, hi = md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
+            if md.prefill_cu_seqlens_k is not None:
+                dense_prefill_attention(
+                    query[lo:hi], kv_cache, layout, md.prefill_block_table, md.prefill_query_start_loc,
+                    md.prefill_seq_lens, md.prefill_cu_seqlens_k, total_k=md.prefill_total_k,
+                    max_query_len=md.prefill_max_query_len, max_seq_len=md.prefill_max_seq_len, scale=self.scale,
+                    sliding_window=self.sliding_window, softcap=self.softcap, out=output[lo:hi],
+                    key_calibration=self.key_calibration, validate=False)
+            else:
+                paged_attention(
+                    query[lo:hi], kv_cache, layout, md.prefill_block_table, md.prefill_query_start_loc,
+                    md.prefill_seq_lens, max_query_len=md.prefill_max_query_len, out=output[lo:hi], num_splits=1,
+                    **common,
+                )
+        return output

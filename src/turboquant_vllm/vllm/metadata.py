@@ -1,0 +1,201 @@
+"""Attention metadata: the step's batch split into decodes and the rest, with the scratch each needs.
+
+Decodes (query length 1) come first in a batch (vLLM reorders it for us, threshold 1) and run the decode kernel with
+a split count from ops.attention.launch; the rest (prefills, chunked-prefill continuations, speculative-decode
+verifications) runs the general kernel, or, from DENSE_PREFILL_MIN_TOKENS prefill tokens, FlashAttention over the
+expanded context. Uniform batches may be captured whole in a CUDA graph: they only reference persistent buffers
+(query_start_loc, seq_lens, block table, the shared workspace) and their split count depends on the batch shape.
+The scratch is one fp32 buffer from vLLM's workspace manager, shared by every layer, reserved at its maximum when
+the first layer is built (before memory profiling and CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..core.layout import CacheLayout
+from ..ops.attention import attention_workspace_shape, decode_num_splits, num_sms
+from . import compat
+from .compat import (
+    AttentionCGSupport,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    split_decodes_and_prefills,
+)
+from .kv_spec import check_builder_spec
+
+# From this many prefill tokens in a step, expanding the context once and running FlashAttention
+# beats re-decoding the compressed context for every tile of query tokens.
+DENSE_PREFILL_MIN_TOKENS = 256
+
+
+def workspace_elems(
+    num_decode_tokens: int, num_prefill_tokens: int, splits: int, num_q_heads: int, head_dim: int
+) -> int:
+    """fp32 elements one step needs; the decode and the prefill launch run in turn and share them."""
+    decode = attention_workspace_shape(num_decode_tokens, num_q_heads, head_dim, splits)[0]
+    prefill = attention_workspace_shape(num_prefill_tokens, num_q_heads, head_dim, 1)[0]
+    return max(decode, prefill)
+
+
+@functools.lru_cache(maxsize=None)
+def max_workspace_elems(num_q_heads: int, layout: CacheLayout, max_tokens: int, max_seqs: int, sms: int) -> int:
+    """The most any step can need: a full prefill budget unsplit, or any decode batch split."""
+    most = workspace_elems(0, max_tokens, 1, num_q_heads, layout.head_dim)
+    for seqs in range(1, min(max_seqs, max_tokens) + 1):
+        splits = decode_num_splits(seqs, layout, sms)
+        most = max(most, workspace_elems(seqs, 0, splits, num_q_heads, layout.head_dim))
+    return most
+
+
+def reserve_workspace(vllm_config: Any, num_q_heads: int, layout: CacheLayout) -> int | None:
+    """Grow vLLM's shared workspace to the maximum this backend can ask for; idempotent across layers."""
+    manager = compat.workspace_manager()
+    if manager is None or vllm_config is None:
+        return None
+    scheduler = vllm_config.scheduler_config
+    max_tokens = max(
+        scheduler.max_num_batched_tokens,
+        getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0,
+    )
+    elems = max_workspace_elems(num_q_heads, layout, max_tokens, scheduler.max_num_seqs, num_sms())
+    manager.get_simultaneous(((elems,), torch.float32))
+    return elems
+
+
+@dataclass
+class TQ4Metadata(AttentionMetadata):
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32
+    seq_lens: torch.Tensor  # (num_reqs,) int32
+    block_table: torch.Tensor  # (num_reqs, max_blocks) int32
+    slot_mapping: torch.Tensor
+
+    # Decodes (query length 1) come first: requests [0, num_decodes), tokens [0, num_decode_tokens).
+    num_decodes: int
+    num_decode_tokens: int
+    decode_num_splits: int
+    # The rest: requests [num_decodes, num_reqs), tokens [num_decode_tokens, + num_prefill_tokens).
+    num_prefills: int
+    num_prefill_tokens: int
+    prefill_max_query_len: int
+    prefill_query_start_loc: torch.Tensor | None  # rebased to start at 0
+    prefill_seq_lens: torch.Tensor | None
+    prefill_block_table: torch.Tensor | None
+    decode_query_start_loc: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+    decode_block_table: torch.Tensor | None
+
+    workspace: torch.Tensor | None  # view of vLLM's shared workspace (fp32), None without one
+
+    # Long prefills: the prefill part's context, expanded once and attended by FlashAttention.
+    prefill_cu_seqlens_k: torch.Tensor | None = None  # (num_prefills + 1,) int32, None: paged kernel
+    prefill_total_k: int = 0
+    prefill_max_seq_len: int = 0
+
+
+
+class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
+    # Uniform batches (all decodes, or all speculative verifications of one length) may be
+    # captured whole; mixed batches run attention eagerly between piecewise graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        check_builder_spec(kv_cache_spec, layer_names)
+        self.layout = kv_cache_spec.layout
+        self.dense_prefill = compat.flash_attn_varlen() is not None
+        self.num_q_heads = compat.num_q_heads_of_layers(vllm_config, layer_names)
+        self.num_sms = num_sms()
+        # Decodes first; speculative verifications (query length > 1) go to the general kernel.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        self.workspace_elems = reserve_workspace(vllm_config, self.num_q_heads, self.layout)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        return cls._cudagraph_support
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> TQ4Metadata:
+        cam = common_attn_metadata
+        num_reqs = cam.num_reqs
+        qsl, seq_lens, block_table = cam.query_start_loc, cam.seq_lens, cam.block_table_tensor
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
+            cam, decode_threshold=1)
+        # vLLM counts the CUDA-graph padding past query_start_loc[num_reqs] as tokens of the last part; nothing
+        # attends them and their outputs are discarded, so no launch covers them.
+        padding = cam.num_actual_tokens - int(cam.query_start_loc_cpu[num_reqs])
+        if num_prefills:
+            num_prefill_tokens -= padding
+        else:
+            num_decode_tokens -= padding
+
+        splits = decode_num_splits(num_decodes, self.layout, self.num_sms)
+        decode_qsl = decode_seq_lens = decode_bt = None
+        if num_decodes:
+            whole = num_prefills == 0  # persistent buffers as they are: safe to capture
+            decode_qsl = qsl if whole else qsl[: num_decodes + 1]
+            decode_seq_lens = seq_lens if whole else seq_lens[:num_decodes]
+            decode_bt = block_table if whole else block_table[:num_decodes]
+        prefill_qsl = prefill_seq_lens = prefill_bt = None
+        if num_prefills:
+            if num_decodes == 0:
+                prefill_qsl, prefill_seq_lens, prefill_bt = qsl, seq_lens, block_table
+            else:  # mixed batches never run inside a full CUDA graph: a fresh tensor is fine
+                prefill_qsl = qsl[num_decodes : num_reqs + 1] - num_decode_tokens
+                prefill_seq_lens = seq_lens[num_decodes:num_reqs]
+                prefill_bt = block_table[num_decodes:num_reqs]
+
+        dense = {}
+        if num_prefills and self.dense_prefill and num_prefill_tokens >= DENSE_PREFILL_MIN_TOKENS:
+            # Precise on prefill rows; prefill batches are never captured, so reading it is fine.
+            lens_cpu = cam.seq_lens_cpu_upper_bound
+            lens_cpu = (lens_cpu if lens_cpu is not None else seq_lens.cpu())[num_decodes:num_reqs]
+            cu = torch.zeros(num_prefills + 1, dtype=torch.int32)
+            torch.cumsum(lens_cpu, 0, out=cu[1:])
+            dense = dict(prefill_cu_seqlens_k=cu.to(seq_lens.device, non_blocking=True),
+                         prefill_total_k=int(cu[-1]), prefill_max_seq_len=int(lens_cpu.max()))
+
+        workspace = None
+        manager = compat.workspace_manager()
+        if manager is not None:
+            need = workspace_elems(num_decode_tokens, num_prefill_tokens, splits, self.num_q_heads,
+                                   self.layout.head_dim)
+            (workspace,) = manager.get_simultaneous(((max(need, 1),), torch.float32))
+
+        return TQ4Metadata(
+            num_actual_tokens=cam.num_actual_tokens,
+            max_query_len=cam.max_query_len,
+            max_seq_len=cam.max_seq_len,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=cam.slot_mapping,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            decode_num_splits=splits,
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_max_query_len=cam.max_query_len,
+            prefill_query_start_loc=prefill_qsl,
+            prefill_seq_lens=prefill_seq_lens,
+            prefill_block_table=prefill_bt,
+            decode_query_start_loc=decode_qsl,
+            decode_seq_lens=decode_seq_lens,
+            decode_block_table=decode_bt,
+            workspace=workspace,
+            **dense,
+        )
+
+

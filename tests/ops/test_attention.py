@@ -1,0 +1,183 @@
+import math
+import random
+from itertools import accumulate
+
+import pytest
+import torch
+
+from tests.conftest import DEVICE, FULL_MATRIX
+from tests.ops.cases import make_paged_batch, random_calibration, refused
+from turboquant_vllm.core.presets import PRESETS
+from turboquant_vllm.ops.attention.naive import paged_attention_reference
+from turboquant_vllm.ops.store.naive import store_kv_reference
+from turboquant_vllm.ops import attention_workspace_shape, paged_attention
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+NUM_CASES = 240 if FULL_MATRIX else 30
+MAX_CONTEXT = 10_000 if FULL_MATRIX else 300
+
+
+def draw_case(i: int) -> dict:
+    """Case i of the randomized matrix: every axis cycles so each value appears many times."""
+    rng = random.Random(i)
+    mode = ["decode", "prefill", "chunked", "mixed"][i % 4]
+    num_seqs = rng.choice([1, 2, 3, 5]) if mode != "decode" else rng.choice([1, 3, 8])
+    seq_lens, q_lens = [], []
+    for s in range(num_seqs):
+        n = rng.randint(1, MAX_CONTEXT) if rng.random() < 0.3 else rng.randint(1, min(MAX_CONTEXT, 700))
+        kind = mode if mode != "mixed" else ["decode", "prefill", "chunked"][s % 3]
+        q = {"decode": 1, "prefill": n, "chunked": rng.randint(1, n)}[kind]
+        if kind == "prefill" and n > 2000:  # keep long prefills affordable: a long chunk instead
+            q = rng.randint(1, 2000)
+        seq_lens.append(n)
+        q_lens.append(q)
+    preset = list(PRESETS)[i % len(PRESETS)]
+    head_dim = [64, 96, 128, 256][(i // 8) % 4]
+    if refused(preset, head_dim):
+        head_dim = 128
+    return dict(
+        dtype=[torch.bfloat16, torch.float16][(i // 4) % 2],
+        head_dim=head_dim,
+        group=[1, 4, 8][i % 3],
+        kv_heads=rng.choice([1, 2]),
+        block_size=[16, 32][(i // 2) % 2],
+        preset=preset,
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        window=rng.choice([None] * 4 + [rng.randint(1, 300)]),
+        softcap=rng.choice([None] * 4 + [rng.uniform(5, 50)]),
+        num_splits=rng.choice([None, None, 1, 3, 8]),
+        calibrated=i % 5 == 2,
+    )
+
+
+def run_case(case, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b = make_paged_batch(gen, case["preset"], case["head_dim"], case["kv_heads"], case["block_size"],
+                         case["seq_lens"], case["dtype"], DEVICE)
+    cal = random_calibration(gen, case["kv_heads"], case["head_dim"], DEVICE) if case["calibrated"] else None
+    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout, cal)
+    q_lens = case["q_lens"]
+    qsl = torch.tensor([0] + list(accumulate(q_lens)), dtype=torch.int32, device=DEVICE)
+    n_q = sum(q_lens)
+    q_heads = case["kv_heads"] * case["group"]
+    query = torch.randn(n_q, q_heads, case["head_dim"], generator=gen).to(case["dtype"]).to(DEVICE)
+    scale = 1 / math.sqrt(case["head_dim"])
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=max(q_lens),
+                    scale=scale, out=out, sliding_window=case["window"], softcap=case["softcap"],
+                    num_splits=case["num_splits"], key_calibration=cal)
+    ref = paged_attention_reference(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, scale,
+                                    case["window"], case["softcap"], cal)
+    return out, ref
+
+
+@pytest.mark.parametrize("i", range(NUM_CASES))
+def test_attention_matches_reference(i):
+    case = draw_case(i)
+    out, ref = run_case(case, seed=1000 + i)
+    assert not torch.isnan(out).any(), "output not fully written (or NaN produced)"
+    rel = (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
+    assert rel < TOLERANCE[case["dtype"]], f"relative error {rel:.2e} for {case}"
+
+
+@pytest.mark.parametrize("i", range(30 if FULL_MATRIX else 8))
+def test_decode_kernel_matches_reference(i):
+    """Decode has its own kernel (one online softmax per warp): every preset, head dim and GQA width, both dtypes,
+    block sizes, windows, soft-caps, split counts and the calibration, with ragged context lengths."""
+    rng = random.Random(7000 + i)
+    num_seqs = rng.choice([1, 3, 8])
+    seq_lens = [rng.randint(1, MAX_CONTEXT if rng.random() < 0.3 else min(MAX_CONTEXT, 700)) for _ in range(num_seqs)]
+    preset, head_dim = list(PRESETS)[i % len(PRESETS)], [64, 96, 128, 256][(i // 2) % 4]
+    case = dict(
+        preset=preset, dtype=[torch.bfloat16, torch.float16][(i // 6) % 2],
+        head_dim=128 if refused(preset, head_dim) else head_dim,
+        group=[1, 4, 8, 16, 2][i % 5], kv_heads=rng.choice([1, 2]), block_size=[16, 32][(i // 3) % 2],
+        seq_lens=seq_lens, q_lens=[1] * num_seqs, window=[None, None, rng.randint(1, 300)][i % 3],
+        softcap=[None, rng.uniform(5, 50)][(i // 4) % 2], num_splits=[None, 1, 3, 8][i % 4], calibrated=i % 3 == 1,
+    )
+    out, ref = run_case(case, seed=7000 + i)
+    assert not torch.isnan(out).any(), "output not fully written (or NaN produced)"
+    rel = (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
+    assert rel < TOLERANCE[case["dtype"]], f"relative error {rel:.2e} for {case}"
+
+
+def test_matrix_covers_the_axes():
+    cases = [draw_case(i) for i in range(NUM_CASES)]
+    for key, wanted in [("head_dim", {64, 96, 128, 256}), ("group", {1, 4, 8}), ("block_size", {16, 32}),
+                        ("dtype", {torch.float16, torch.bfloat16}), ("preset", set(PRESETS)),
+                        ("calibrated", {False, True})]:
+        assert {c[key] for c in cases} == wanted, key
+    assert max(max(c["seq_lens"]) for c in cases) > MAX_CONTEXT // 2
+
+
+def test_workspace_is_caller_provided():
+    case = dict(draw_case(0), num_splits=4, q_lens=[1, 1], seq_lens=[50, 70])
+    gen = torch.Generator().manual_seed(5)
+    b = make_paged_batch(gen, "tq4", 64, 2, 16, case["seq_lens"], torch.float16, DEVICE)
+    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout)
+    q = torch.randn(2, 8, 64, generator=gen).half().to(DEVICE)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    ws = torch.empty(attention_workspace_shape(2, 8, 64, 4), dtype=torch.float32, device=DEVICE)
+    out = torch.empty_like(q)
+    args = (q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens)
+    paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws, num_splits=4)
+    ref = paged_attention_reference(*args, 0.125)
+    assert (out.float() - ref).norm() / ref.norm() < 5e-3
+    with pytest.raises(ValueError, match="workspace"):
+        paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws[:10], num_splits=4)
+
+
+@pytest.mark.parametrize("preset,dtype", [("tq4", torch.bfloat16), ("tq3", torch.float16)])
+@pytest.mark.parametrize("q_len", [1, 40])
+def test_value_norms_from_zero_past_the_fp16_range(preset, dtype, q_len):
+    """Value norms enter the kernel's exponent (log2 of the norm): zero vectors keep their softmax weight and
+    norms past fp16's 65504 neither overflow nor swamp the small ones. Checked per output row: a kernel that
+    scaled p * norm by the tile's largest norm into fp16 erred up to 0.59 on rows led by a small-norm token."""
+    gen = torch.Generator().manual_seed(7)
+    b = make_paged_batch(gen, preset, 128, 2, 16, [300, 77], dtype, DEVICE)
+    spread = 10.0 ** torch.empty(b.values.shape[0], 2, 1).uniform_(-4, 3.5, generator=gen)
+    spread[::7] = 0.0  # every 7th token's values are exactly zero
+    values = (b.values.float().cpu() * spread).to(dtype).to(DEVICE)
+    store_kv_reference(b.keys, values, b.kv_cache, b.slot_mapping, b.layout)
+    qsl = torch.tensor([0, q_len, 2 * q_len], dtype=torch.int32, device=DEVICE)
+    q = (torch.randn(2 * q_len, 8, 128, generator=gen) * 2).to(dtype).to(DEVICE)
+    args = (q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(*args, max_query_len=q_len, scale=128**-0.5, out=out, num_splits=None if q_len > 1 else 3)
+    ref = paged_attention_reference(*args, 128**-0.5)
+    assert not torch.isnan(out).any() and not torch.isinf(out).any()
+    assert ((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 2e-2
+
+
+def test_rejects_bad_input():
+    gen = torch.Generator().manual_seed(6)
+    b = make_paged_batch(gen, "tq4", 64, 2, 16, [10], torch.float16, DEVICE)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, 3, 64).half().to(DEVICE)
+    with pytest.raises(ValueError, match="multiple of 2 KV heads"):
+        paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,
+                        out=torch.empty_like(q))
+    q = torch.randn(1, 2, 64).half().to(DEVICE)
+    with pytest.raises(ValueError, match="seq_lens must be torch.int32"):
+        paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens.long(), max_query_len=1, scale=1.0,
+                        out=torch.empty_like(q))
+    q = torch.randn(1, 2, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,
+                        out=torch.empty_like(q))
+
+
+def test_decode_launch_only_where_it_was_measured_to_pay():
+    """tq4 up to head_dim 128: one warp, loads two tiles ahead, 168 registers, ~6 programs per SM; the narrower
+    presets and tq4 at 256: one tile ahead, 24 programs per SM, 168 registers at head_dim 65..128 only; k5v4 (the
+    general kernel): 4 warps, 2 per SM (benchmarks/results/kernel_variants/h200-decode-tables-stages-launch.log)."""
+    from turboquant_vllm.core.presets import get_preset
+    from turboquant_vllm.ops.attention import AttentionLaunch, decode_launch
+
+    got = {(p, d): decode_launch(get_preset(p), d)
+           for p in ("tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4") for d in (64, 96, 128, 256) if not refused(p, d)}
+    want = {(p, d): AttentionLaunch(4, 3, 0, 2) if p == "k5v4"
+            else AttentionLaunch(1, 5, 168, 6) if p == "tq4" and d <= 128
+            else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24) for p, d in got}
+    assert got == want

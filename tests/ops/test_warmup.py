@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from tests.conftest import DEVICE
+from tests.ops.cases import random_calibration
+from turboquant_vllm.core.layout import CacheLayout
+from turboquant_vllm.core.presets import get_preset
+from turboquant_vllm.ops import dequantize_pages, paged_attention, store_kv, warm_up, warmup
+from turboquant_vllm.ops.attention import decode_num_splits
+from turboquant_vllm.ops.attention.decode import _decode_kernel
+from turboquant_vllm.ops.attention.general import _attention_kernel
+from turboquant_vllm.ops.dequant.dequant import _dequant_kernel
+from turboquant_vllm.ops.rotation.rotation import LARGE_ROWS
+from turboquant_vllm.ops.store.store import STORE_LARGE_BATCH, _store_kv_kernel
+
+
+@pytest.mark.parametrize("dense_prefill", [True, False])
+def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
+    """The launches serving meets outside CUDA graphs: both store tiles, the context expansion (with the dense
+    path), the general attention kernel; each runs for real (interpreted on the CPU)."""
+    calls = []
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append((name, kwargs.get("block_t"), kwargs.get("max_query_len"),
+                          "query" if kwargs.get("query") is not None else None))
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(warmup, name, wrapped)
+
+    for name, fn in (("store_kv", store_kv), ("dequantize_pages", dequantize_pages),
+                     ("paged_attention", paged_attention)):
+        record(name, fn)
+    layout = CacheLayout(get_preset("tq4"), 64, 2, 16)
+    gen = torch.Generator().manual_seed(0)
+    warm_up(layout, torch.bfloat16, 32, torch.device(DEVICE), sliding_window=24, softcap=30.0,
+            key_calibration=random_calibration(gen, 2, 64, DEVICE), dense_prefill=dense_prefill, decode_splits=[4, 1, 4])
+    assert ("store_kv", 16, None, None) in calls and ("store_kv", 64, None, None) in calls
+    assert ("store_kv", None, None, "query") in calls  # a decode step's store + query rotation (small tiles)
+    assert (("dequantize_pages", None, None, None) in calls) == dense_prefill
+    query_rows = [c[2] * 32 for c in calls if c[0] == "paged_attention" and c[2] > 1]  # prefills: query = context
+    assert min(query_rows) <= LARGE_ROWS < max(query_rows)  # both tilings of the query rotation
+    assert [c for c in calls if c[0] == "paged_attention" and c[2] == 1] == [("paged_attention", None, 1, None)] * 2
+
+
+def compiled(kernel) -> int:
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,head_dim,dtype", [("tq4", 128, torch.bfloat16), ("k4v3", 64, torch.float16)])
+def test_serving_shapes_compile_nothing_after_warm_up(preset, head_dim, dtype):
+    """After warm_up, launches as vLLM makes them (keys as views of a fused qkv projection, a block table as wide
+    as max_model_len asks, batches of other sizes, a decode batch) reuse its binaries."""
+    kv_heads, q_heads, block = 4, 16, 16
+    layout = CacheLayout(get_preset(preset), head_dim, kv_heads, block)
+    device = torch.device("cuda")
+    warm_up(layout, dtype, q_heads, device, decode_splits={decode_num_splits(b, layout) for b in range(1, 65)})
+    kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel)
+    before = [compiled(k) for k in kernels]
+
+    tokens, width = 2 * STORE_LARGE_BATCH + 5, 45  # the block table of a 720-token max_model_len: not 16-aligned
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    cache = torch.zeros(layout.cache_shape(3 * width), dtype=torch.uint8, device=device)
+    block_table = torch.randperm(3 * width, device=device).to(torch.int32).view(3, width)
+    slots = (block_table.flatten().long()[:, None] * block + torch.arange(block, device=device)).flatten()[:tokens]
+    seq_lens = torch.tensor([500, 77, 9], dtype=torch.int32, device=device)  # rows 0, 1 and 2 (first page) stored
+    cu = torch.tensor([0, 500, 577, 586], dtype=torch.int32, device=device)
+    store_kv(k, v, cache, slots, layout)  # >= STORE_LARGE_BATCH tokens: the large tiles
+    store_kv(k[:40], v[:40], cache, slots[:40], layout)  # a short prefill: the small ones
+    dequantize_pages(cache, layout, block_table, seq_lens, cu, 586, 500, dtype)
+    # A mixed batch's prefill rows: metadata slices that start mid-tensor (pointers at any alignment).
+    dequantize_pages(cache, layout, block_table[1:], seq_lens[1:], cu[1:] - 500, 86, 77, dtype)
+    out = torch.full_like(q[:586], float("nan"))
+    paged_attention(q[:586], cache, layout, block_table, cu, seq_lens, max_query_len=500, scale=head_dim**-0.5,
+                    out=out)
+    paged_attention(q[:86], cache, layout, block_table[1:], cu[1:] - 500, seq_lens[1:], max_query_len=77,
+                    scale=head_dim**-0.5, out=out[:86])
+    decode_out = torch.full_like(q[:3], float("nan"))
+    paged_attention(q[:3], cache, layout, block_table, torch.arange(4, dtype=torch.int32, device=device), seq_lens,
+                    max_query_len=1, scale=head_dim**-0.5, out=decode_out)  # 3 decodes, the policy's split count
+    rotated = store_kv(k[:3], v[:3], cache, slots[:3], layout, query=q[:3], query_scale=head_dim**-0.5)
+    paged_attention(q[:3], cache, layout, block_table, torch.arange(4, dtype=torch.int32, device=device), seq_lens,
+                    max_query_len=1, scale=head_dim**-0.5, out=decode_out, rotated_query=rotated)  # as vLLM steps
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and not decode_out.isnan().any()
+    assert [compiled(k) for k in kernels] == before, "a serving-shaped launch compiled a new kernel"
