@@ -4,16 +4,14 @@ FlashAttention and ours read caches of the same contents (random K/V, 32 query /
 block size 16, pages shuffled). Every callable is captured in a CUDA graph and timed by
 replay, so launch overhead is out of the comparison for all of them alike.
 
-    python benchmarks/decode_kernel.py            # on a GPU with vLLM importable
-Writes benchmarks/results/decode_kernel.{json,md,png}.
+    python -m benchmarks decode_kernel [--shapes 64x8192,32x32768] [--out PATH]   # on a GPU with vLLM importable
+Writes benchmarks/results/decode_kernel/<gpu>-32q8kv-<shapes>.{json,md,png} (e.g. h200-32q8kv-64x8k-32x32k).
+Launch choices of ours (tiles, warps, stages, splits): python -m benchmarks kernel_variants.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import sys
 from pathlib import Path
 
 import torch
@@ -21,14 +19,19 @@ import torch
 from turboquant_vllm.bench import Batch, Shape, copy_bandwidth, flash, measure, ours, table, time_graph
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
-from turboquant_vllm.kernels import store_kv
-from turboquant_vllm.kernels.attention import default_num_splits
+from turboquant_vllm.ops import store_kv
+
+from . import common
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SHAPES = [(64, 8192), (32, 32768), (8, 131072), (1, 131072)]
-RESULTS = Path(__file__).parent / "results"
-sys.path.insert(0, str(Path(__file__).parent))
-from plot import grouped_bars  # noqa: E402
+NAME = "decode_kernel"
+
+
+def default_stem(shapes: list[tuple[int, int]], gpu: str | None = None) -> Path:
+    """benchmarks/results/decode_kernel/<gpu>-32q8kv-<batch>x<context>...: one file set per GPU and shape list."""
+    what = f"{Q_HEADS}q{KV_HEADS}kv-" + "-".join(common.shape_tag(b, c) for b, c in shapes)
+    return common.result_stem(NAME, what, gpu)
 
 
 def in_tree(b: Batch, preset: str):
@@ -48,16 +51,14 @@ def in_tree(b: Batch, preset: str):
     return fn, cfg.slot_size_aligned
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--sweep", action="store_true", help="time tile / warp / split choices of ours instead")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(NAME, __doc__)
+    ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES), help="BATCHxCONTEXT,...")
+    common.add_out_argument(ap, "benchmarks/results/decode_kernel/<gpu>-32q8kv-<shapes>")
+    args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    command = common.command_line(NAME, argv)
     gen = torch.Generator().manual_seed(0)
-    if args.sweep:
-        return sweep(shapes, gen)
     peak = copy_bandwidth()
     print(f"measured copy bandwidth: {peak / 1e12:.2f} TB/s")
     rows = []
@@ -85,43 +86,24 @@ def main() -> None:
         print(f"{'tq4_store':20s} {batch:3d} x {context:6d}: {ms:8.4f} ms")
         del b, cache
         torch.cuda.empty_cache()
-    write(rows, peak, Path(args.out))
+    write(rows, peak, common.stem_of(args.out) if args.out else default_stem(shapes), common.provenance(command))
 
 
-def sweep(shapes, gen) -> None:
-    """Tile, warp, pipeline-stage and split choices of ours (tq4), one line each."""
-    configs = [(n, w, st) for n, w in ((32, 1), (64, 1), (64, 2), (128, 4), (256, 8)) for st in (2, 3, 4)]
-    for batch, context in shapes:
-        b = Batch(Shape(batch, context, Q_HEADS, KV_HEADS, HEAD_DIM), gen)
-        base = default_num_splits(batch, KV_HEADS)
-        for block_n, num_warps, stages in configs:
-            for splits in (base, 2 * base):
-                try:
-                    fn, bpt = ours(b, "tq4", splits, block_n=block_n, num_warps=num_warps, num_stages=stages)
-                    ms = time_graph(fn)
-                except Exception as e:
-                    print(f"sweep tq4 {batch}x{context} n{block_n} w{num_warps} st{stages} s{splits}: {e!r}"[:300])
-                    continue
-                print(f"sweep tq4 {batch}x{context} block_n={block_n} warps={num_warps} stages={stages} "
-                      f"splits={splits}: {ms:.3f} ms {b.bytes_moved(bpt) / ms / 1e6:.0f} GB/s")
-        del b
-        torch.cuda.empty_cache()
-
-
-def write(rows, peak, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), copy_bandwidth_tbps=peak / 1e12, q_heads=Q_HEADS,
-                kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, command="python benchmarks/decode_kernel.py")
-    (out / "decode_kernel.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+def write(rows, peak, stem: Path, provenance: dict) -> None:
+    """stem.json (meta + rows), stem.md (the table), stem.png (time per kernel and shape)."""
+    meta = dict(device=provenance["gpu"], copy_bandwidth_tbps=peak / 1e12, q_heads=Q_HEADS, kv_heads=KV_HEADS,
+                head_dim=HEAD_DIM, block_size=BLOCK)
+    common.write_json(common.with_ext(stem, ".json"), dict(meta=meta, rows=rows), provenance)
     lines = [f"Decode attention, {Q_HEADS} q / {KV_HEADS} KV heads, d={HEAD_DIM}, block {BLOCK}, "
              f"{meta['device']}, copy bandwidth {peak / 1e12:.2f} TB/s\n", *table(rows)]
-    (out / "decode_kernel.md").write_text("\n".join(lines) + "\n")
+    common.write_markdown(common.with_ext(stem, ".md"), "\n".join(lines) + "\n", provenance)
     print("\n".join(lines))
     kernels = [k for k in dict.fromkeys(r["kernel"] for r in rows) if k != "tq4_store"]
     shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
-    grouped_bars(out / "decode_kernel.png", rows, kernels, "kernel", shapes, lambda r: (r["batch"], r["context"]),
-                 [f"{b} x {c // 1024}k" for b, c in shapes], "decode attention time (ms, lower is better)",
-                 f"Decode attention on {meta['device']}", (10, 4.5))
+    common.grouped_bars(common.with_ext(stem, ".png"), rows, kernels, "kernel", shapes,
+                        lambda r: (r["batch"], r["context"]), [f"{b} x {c // 1024}k" for b, c in shapes],
+                        "decode attention time (ms, lower is better)", f"Decode attention on {meta['device']}",
+                        (10, 4.5))
 
 
 if __name__ == "__main__":

@@ -12,9 +12,13 @@ requests as the KV cache holds, each generating --at-limit-generate tokens (128:
 a decode-bound one, where the tokens a cache holds count).
 Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
 
-    python benchmarks/e2e.py [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192 [--at-limit-generate N]]
-                             [--capture-max N] [--heads 32/8] [--tp 2]
-Writes benchmarks/results/e2e.{json,md,png} (e2e_32q8kv.* for --heads 32/8, e2e_tp2.* for --tp 2).
+    python -m benchmarks e2e [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192
+                             [--at-limit-generate N]] [--capture-max N] [--heads 32/8] [--tp 2] [--out PATH]
+The default configuration (16 q / 4 KV heads, tensor parallel 1, the default --runs, no --at-limit) writes the
+headline benchmarks/results/e2e.{json,md,png}; any other writes benchmarks/results/e2e/<gpu>-<what>.{json,md,png},
+<what> = llama<layers>l-<Q>q<KV>kv[-tp<N>][-<runs>][-at-limit-<context>-gen<N>], e.g. h200-llama16l-32q8kv for
+--heads 32/8. The children's logs go to the folder of that name (benchmarks/results/e2e/<gpu>-llama16l-16q4kv/ for
+the headline), one <kv>.log each.
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from . import common
+
+NAME = "e2e"
+RUNS = "64x8192,32x32768"
+HEADS = "16/4"
 MODEL = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=5632,
     num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
@@ -38,13 +45,35 @@ MODEL = dict(
 )
 
 
-def model_config(heads: str) -> tuple[dict, str]:
-    """The model for "Q/KV" query / KV heads (hidden = Q x 128) and the results' file stem."""
+def model_config(heads: str) -> dict:
+    """The model for "Q/KV" query / KV heads (hidden = Q x 128)."""
     q, kv = (int(x) for x in heads.split("/"))
     if (q, kv) == (16, 4):
-        return MODEL, "e2e"
+        return MODEL
     return dict(MODEL, hidden_size=q * 128, intermediate_size=int(q * 128 * 2.6875), num_attention_heads=q,
-                num_key_value_heads=kv), f"e2e_{q}q{kv}kv"
+                num_key_value_heads=kv)
+
+
+def config_name(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, at_limit_generate: int = 0) -> str:
+    """<what> of the result path: llama<layers>l-<Q>q<KV>kv[-tp<N>][-<runs>][-at-limit-<context>-gen<N>]."""
+    name = f"llama{model['num_hidden_layers']}l-{model['num_attention_heads']}q{model['num_key_value_heads']}kv"
+    name += f"-tp{tp}" if tp > 1 else ""
+    if runs != RUNS:
+        name += "-" + "-".join(common.shape_tag(*(int(x) for x in r.split("x"))) for r in runs.split(","))
+    if at_limit:
+        context = f"{at_limit // 1024}k" if at_limit % 1024 == 0 else str(at_limit)
+        name += f"-at-limit-{context}-gen{at_limit_generate}"
+    return name
+
+
+def result_paths(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, at_limit_generate: int = 0,
+                 gpu: str | None = None) -> tuple[Path, Path]:
+    """(the results' path without extension, the children's log folder) of a configuration: the headline
+    benchmarks/results/e2e for the default one, benchmarks/results/e2e/<gpu>-<what> otherwise."""
+    what = common.result_stem(NAME, config_name(model, tp, runs, at_limit, at_limit_generate), gpu)
+    if model == MODEL and tp == 1 and runs == RUNS and not at_limit:
+        return common.RESULTS / NAME, what
+    return what, what
 
 
 # kv name -> (attention backend, kv_cache_dtype, extra environment)
@@ -107,7 +136,7 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
               **({"attention_config": {"backend": backend}} if backend else {}))
     cache = llm.llm_engine.vllm_config.cache_config
     sched = llm.llm_engine.vllm_config.scheduler_config
-    # What shapes the steps (and so the decode figure, see NOTES.md session 8): kept with the row.
+    # What shapes the steps (and so the decode figure, see NOTES.md): kept with the row.
     row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "tensor_parallel_size": tp,
            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
            "max_cudagraph_capture_size": llm.llm_engine.vllm_config.compilation_config.max_cudagraph_capture_size}
@@ -145,7 +174,7 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
     for batch, context in runs:
         prompts = random_prompts(batch, context)
         # Warm-up: a full run, so the measured pairs meet no first-time code path (decodes riding along shift the
-        # prefill chunks; a prefill-only warm-up left tq4's first full run 1.4 s slower, session 10).
+        # prefill chunks; a prefill-only warm-up left tq4's first full run 1.4 s slower on the H200).
         warm_up = timed(prompts, GENERATED)
         # Decode time = full run - prefill-only run; each is noisy, so take the median of pairs.
         pairs = [(timed(prompts, 1), timed(prompts, GENERATED)) for _ in range(repeats)]
@@ -165,11 +194,11 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(NAME, __doc__)
     ap.add_argument("--kv", default=",".join(KV))
-    ap.add_argument("--runs", default="64x8192,32x32768")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--runs", default=RUNS, help="BATCHxCONTEXT,...")
+    common.add_out_argument(ap, "benchmarks/results/e2e (default configuration), benchmarks/results/e2e/<gpu>-<what>")
     ap.add_argument("--repeats", type=int, default=3, help="prefill-only / full run pairs per shape (median)")
     ap.add_argument("--at-limit", type=int, default=0, metavar="CONTEXT",
                     help="also serve as many CONTEXT-token requests as the cache holds, at once (e.g. 8192)")
@@ -178,13 +207,12 @@ def main() -> None:
     ap.add_argument("--capture-max", type=int, default=0, metavar="N",
                     help="capture decode CUDA graphs up to N requests (vLLM's default: min(2 x max_num_seqs, 512)); "
                     "a memory-limit load runs more requests at once than that")
-    ap.add_argument("--heads", default="16/4", help="query / KV heads of the model (16/4: the kit's reference shape; "
-                    "others write e2e_<Q>q<KV>kv.*)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (> 1 writes e2e_tp<N>.*; each GPU holds "
-                    "its share of the KV heads, so KV tokens are what the group holds)")
+    ap.add_argument("--heads", default=HEADS, help="query / KV heads of the model (16/4: the kit's reference shape)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (each GPU holds its share of the KV "
+                    "heads, so KV tokens are what the group holds)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in the results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     runs = [tuple(int(x) for x in r.split("x")) for r in args.runs.split(",")]
     if args.child:
         kv, model_dir = args.child.split(":", 1)
@@ -192,28 +220,30 @@ def main() -> None:
                      args.tp)
         print("E2E_ROW " + json.dumps(row), flush=True)
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model, stem = model_config(args.heads)
-    stem += f"_tp{args.tp}" if args.tp > 1 else ""
-    command = "python benchmarks/e2e.py " + " ".join(sys.argv[1:])
+    model = model_config(args.heads)
+    stem, logs = result_paths(model, args.tp, args.runs, args.at_limit, args.at_limit_generate)
+    if args.out:
+        stem = logs = common.stem_of(args.out)
+    logs.mkdir(parents=True, exist_ok=True)
+    command = common.command_line(NAME, argv)
+    provenance = common.provenance(command)
     rows = []
-    if args.merge and (out / f"{stem}.json").exists():  # keep the other KV caches' rows of an earlier call
-        rows = [r for r in json.loads((out / f"{stem}.json").read_text())["rows"] if r["kv"] not in args.kv.split(",")]
+    found = common.with_ext(stem, ".json")
+    if args.merge and found.exists():  # keep the other KV caches' rows of an earlier call
+        rows = [r for r in json.loads(found.read_text())["rows"] if r["kv"] not in args.kv.split(",")]
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(model))
         for kv in args.kv.split(","):
-            env = dict(os.environ, **KV[kv][2])
-            cmd = [sys.executable, __file__, "--runs", args.runs, "--repeats", str(args.repeats),
-                   "--at-limit", str(args.at_limit), "--at-limit-generate", str(args.at_limit_generate),
-                   "--capture-max", str(args.capture_max), "--tp", str(args.tp),
-                   "--child", f"{kv}:{model_dir}"]
-            row = child_row(cmd, env, out / f"{stem}_{kv}.log", "E2E_ROW")
+            cmd = common.module_command(
+                NAME, "--runs", args.runs, "--repeats", str(args.repeats), "--at-limit", str(args.at_limit),
+                "--at-limit-generate", str(args.at_limit_generate), "--capture-max", str(args.capture_max),
+                "--tp", str(args.tp), "--heads", args.heads, "--child", f"{kv}:{model_dir}")
+            row = child_row(cmd, common.child_env(dict(os.environ, **KV[kv][2])), logs / f"{kv}.log", "E2E_ROW")
             if row is None:
                 continue
             rows.append(dict(row, command=command))
             print(rows[-1], flush=True)
-            write(rows, out, args.runs, model, stem)  # after every row: a cut-off run keeps what it measured
+            write(rows, stem, args.runs, model, provenance)  # after every row: a cut-off run keeps what it measured
 
 
 def child_row(cmd: list[str], env: dict, log: Path, tag: str) -> dict | None:
@@ -228,7 +258,9 @@ def child_row(cmd: list[str], env: dict, log: Path, tag: str) -> dict | None:
     return json.loads(found[-1][len(tag) + 1:])
 
 
-def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str = "e2e") -> None:
+def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenance: dict | None = None) -> None:
+    """stem.json ({"meta", "rows"}: the headline schema), stem.md (the table), stem.png (three panels)."""
+    provenance = provenance or common.provenance(common.command_line(NAME, []))
     base = next((r for r in rows if r["kv"] == "bf16"), None)
     for r in rows:  # the issue's schema: prefill_tok_s is the 64 x 8k prefill figure
         r.setdefault("decode_tok_s_64x8k", None)
@@ -238,7 +270,7 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
             r["kv_tokens_vs_bf16"] = r["kv_tokens"] / base["kv_tokens"]
     meta = dict(model=model, runs=runs, generated=GENERATED,
                 tensor_parallel_size=rows[0].get("tensor_parallel_size", 1))
-    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    common.write_json(common.with_ext(stem, ".json"), dict(meta=meta, rows=rows), provenance)
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
     lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | decode-only steps 64x8k | "
              "decode-only steps 32x32k | prefill tok/s | requests/s at the memory limit |",
@@ -261,8 +293,8 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
     steps = ("\n\nDecode tok/s: requests x (generated - 1) / (full run - prefill-only run), as in the kit's README; "
              "decode-only steps: tokens / time of the full run's steps after every request has finished its prefill "
              "(its earlier tokens come from decodes riding along in prefill steps; per-pair figures in the JSON).")
-    (out / f"{stem}.md").write_text(f"Llama shape with random weights: {shape}.\n\n" + "\n".join(lines) + steps + load
-                                    + f"\n\nMeasured by:\n{measured}\n")
+    common.write_markdown(common.with_ext(stem, ".md"), f"Llama shape with random weights: {shape}.\n\n"
+                          + "\n".join(lines) + steps + load + f"\n\nMeasured by:\n{measured}\n", provenance)
     print("\n".join(lines))
     import matplotlib
 
@@ -278,7 +310,8 @@ def write(rows: list[dict], out: Path, runs: str, model: dict = MODEL, stem: str
         plt.setp(ax.get_xticklabels(), rotation=40, ha="right")
     fig.suptitle(shape)
     fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=120)
+    fig.savefig(common.with_ext(stem, ".png"), dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,42 +1,39 @@
-"""Time decode-kernel versions side by side on the GPU: each source tree x launch configurations, CUDA-graph replay,
-plus the relative error against core.reference on 2 sequences (one with a ragged tail).
+"""Decode attention under launch variants side by side on the GPU: warps, block_n, register cap, pipeline stages and
+split count against the launch policy's choice, CUDA-graph replay, plus the relative error against the PyTorch
+reference (ops.attention.naive) on 2 sequences (one with a ragged tail).
 
-    git archive <commit> src | tar -x -C build/base       # one tree per version to compare
-    python benchmarks/kernel_variants.py build/base [name=warps,block_n,maxnreg[,stages[,splits]]] ...]  # maxnreg 0:
-                                                          # no cap; splits 0: the policy's
-    MORE=1 python benchmarks/kernel_variants.py ...       # also k4v3, tq3 and tq4 at head_dim 256 / 64
-    PRESETS=tq3,k5v4 python benchmarks/kernel_variants.py ...  # also these presets at 16 / 4, 64 x 8k and 32 x 32k
-    BASE=0 ...                                            # without the three tq4 d 128 shapes
-    SHAPES="16,4,1024,8192;..." ...                       # q heads, KV heads, batch, context instead of those three
+    python -m benchmarks kernel_variants [NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS]] ...]   # MAXNREG 0: no cap;
+                                                                        # STAGES default 3; SPLITS 0: the policy's
+        [--shapes "16,4,64,8192;16,4,32,32768;32,8,64,8192"]   # q heads, KV heads, batch, context
+        [--presets tq4] [--head-dims 128] [--out PATH]
 
-Shapes: 16 q / 4 KV heads at 64 x 8k and 32 x 32k, 32 / 8 at 64 x 8k (d 128); value norms spread over 4x.
+Value norms spread over 4x. The "policy" row is what paged_attention launches by itself (ops.decode_launch,
+ops.decode_num_splits). To compare versions of the kernels, run it in each tree (e.g. a `git worktree`): each
+result records the commit it measured. Writes benchmarks/results/kernel_variants/<gpu>-<presets>-d<head dims>.{json,md}
+(e.g. h200-tq4-d128).
 """
 
 from __future__ import annotations
 
-import os
-import sys
+from pathlib import Path
 
-TREE = sys.argv[1]
-sys.path.insert(0, os.path.join(TREE, "src"))  # the version under test, ahead of any installed one
+import torch
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+from turboquant_vllm.core.layout import CacheLayout
+from turboquant_vllm.core.presets import get_preset
+from turboquant_vllm.ops import attention_workspace_shape, decode_num_splits, paged_attention, store_kv
+from turboquant_vllm.ops.attention.naive import paged_attention_reference
 
-import turboquant_vllm  # noqa: E402
-from turboquant_vllm.core.layout import CacheLayout  # noqa: E402
-from turboquant_vllm.core.presets import get_preset  # noqa: E402
-from turboquant_vllm.core.reference import paged_attention_reference  # noqa: E402
-from turboquant_vllm.kernels import paged_attention, store_kv  # noqa: E402
-from turboquant_vllm.kernels import attention as kernels_attention  # noqa: E402
-from turboquant_vllm.kernels.attention import attention_workspace_shape, default_num_splits  # noqa: E402
+from . import common
 
+NAME = "kernel_variants"
 BLOCK = 16
-TAG = os.path.basename(TREE.rstrip("/"))
+SHAPES = "16,4,64,8192;16,4,32,32768;32,8,64,8192"
 
 
 def configs(specs: list[str]) -> dict[str, dict]:
-    out = {"policy": {}}  # the launch paged_attention chooses itself
+    """NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS]] specs -> paged_attention options by name, after the policy's."""
+    out: dict[str, dict] = {"policy": {}}  # the launch paged_attention chooses itself
     for spec in specs:
         name, values = spec.split("=")
         warps, block_n, regs, *rest = map(int, values.split(","))
@@ -46,7 +43,16 @@ def configs(specs: list[str]) -> dict[str, dict]:
     return out
 
 
-def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx: int, preset="tq4", head_dim=128):
+def shapes_of(spec: str) -> list[tuple[int, int, int, int]]:
+    """"Q,KV,BATCH,CONTEXT;..." -> (q heads, KV heads, batch, context) tuples."""
+    return [tuple(int(x) for x in s.split(",")) for s in spec.split(";") if s]
+
+
+def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx: int, preset: str,
+        head_dim: int) -> list[dict]:
+    """Every variant over one shape: its time, bandwidth and error (a launch that fails is a row with its error)."""
+    import triton
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     num_blocks = batch * ctx // BLOCK
     layout = CacheLayout(get_preset(preset), head_dim, kv_heads, BLOCK)
@@ -64,18 +70,14 @@ def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx:
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     q = (torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     out = torch.empty_like(q)
-    if hasattr(kernels_attention, "decode_launch"):
-        splits = default_num_splits(batch, kv_heads,
-                                    programs_per_sm=kernels_attention.decode_launch(layout.preset, head_dim).programs_per_sm)
-    elif hasattr(kernels_attention, "per_warp_decode"):  # session 12's tree
-        splits = default_num_splits(batch, kv_heads, per_warp=kernels_attention.per_warp_decode(layout.preset))
-    else:  # before session 12: one policy for both kernels
-        splits = default_num_splits(batch, kv_heads)
+    splits = decode_num_splits(batch, layout)
     q2, lens2 = q[:2], seq_lens[:2].clamp(max=3000)
     ref = paged_attention_reference(q2, cache, layout, table, qsl[:3], lens2, head_dim**-0.5)
-    shape_name = f"{TAG:8s} {preset} d{head_dim} {q_heads}/{kv_heads} {batch}x{ctx}"
+    rows = []
     for name, kw in variants.items():
         kw = {"num_splits": splits, **kw}
+        row = dict(variant=name, preset=preset, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, batch=batch,
+                   context=ctx, options=kw)
         ws = torch.empty(attention_workspace_shape(batch, q_heads, head_dim, kw["num_splits"]), dtype=torch.float32,
                          device="cuda")
 
@@ -85,37 +87,59 @@ def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx:
         try:
             step()
             torch.cuda.synchronize()
-            ms = triton.testing.do_bench_cudagraph(step, rep=200)
+            ms = common.time_ms(step, rep=200)
         except (RuntimeError, triton.CompilationError) as e:  # a launch the GPU cannot run is a result too
-            print(f"{shape_name} {name}: failed {e!r}"[:300], flush=True)
+            rows.append(dict(row, error=repr(e)[:300]))
+            print(line(rows[-1]), flush=True)
             continue
         o = torch.full_like(q2, float("nan"))
         paged_attention(q2, cache, layout, table, qsl[:3], lens2, max_query_len=1, scale=head_dim**-0.5, out=o, **kw)
-        err = ((o.float() - ref).norm() / ref.norm()).item()
-        gbs = batch * ctx * kv_heads * layout.bytes_per_token_per_head / ms / 1e6
-        print(f"{shape_name} {name:10s}: {ms:.4f} ms {gbs:6.0f} GB/s err {err:.2e} nan={o.isnan().any().item()}",
-              flush=True)
+        rows.append(dict(row, time_ms=ms, gbps=batch * ctx * kv_heads * layout.bytes_per_token_per_head / ms / 1e6,
+                         rel_error=((o.float() - ref).norm() / ref.norm()).item(), nan=o.isnan().any().item()))
+        print(line(rows[-1]), flush=True)
+    return rows
 
 
-def main() -> None:
-    assert turboquant_vllm.__file__.startswith(os.path.abspath(TREE)), turboquant_vllm.__file__
-    variants = configs(sys.argv[2:])
-    print(torch.cuda.get_device_name(), TAG)
-    shapes = [(16, 4, 64, 8192), (16, 4, 32, 32768), (32, 8, 64, 8192)]
-    if os.environ.get("SHAPES"):
-        shapes = [tuple(int(x) for x in s.split(",")) for s in os.environ["SHAPES"].split(";")]
-    for q_heads, kv_heads, batch, ctx in shapes if os.environ.get("BASE", "1") != "0" else []:
-        run(variants, q_heads, kv_heads, batch, ctx)
-        torch.cuda.empty_cache()
-    if os.environ.get("MORE"):
-        for preset in ("k4v3", "tq3"):
-            run(variants, 16, 4, 64, 8192, preset)
-        for head_dim in (256, 64):
-            run(variants, 16, 4, 64, 8192, "tq4", head_dim)
-    for preset in filter(None, os.environ.get("PRESETS", "").split(",")):
-        for batch, ctx in [(64, 8192), (32, 32768)]:
-            run(variants, 16, 4, batch, ctx, preset)
-            torch.cuda.empty_cache()
+def line(r: dict) -> str:
+    shape = f"{r['preset']} d{r['head_dim']} {r['q_heads']}/{r['kv_heads']} {r['batch']}x{r['context']}"
+    if "error" in r:
+        return f"| {shape} | {r['variant']} | failed: {r['error']} | | |"
+    return (f"| {shape} | {r['variant']} | {r['time_ms']:.4f} | {r['gbps']:.0f} | {r['rel_error']:.2e}"
+            f"{' NaN' if r['nan'] else ''} |")
+
+
+def markdown(rows: list[dict], variants: dict[str, dict]) -> str:
+    spec = "; ".join(f"{n}: {o}" for n, o in variants.items() if o)
+    head = ["| shape | variant | time (ms) | GB/s | rel. error |", "| --- | --- | --- | --- | --- |"]
+    return (f"Decode attention launch variants (policy: paged_attention's own choice{'; ' + spec if spec else ''})"
+            "\n\n" + "\n".join(head + [line(r) for r in rows]) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(NAME, __doc__)
+    ap.add_argument("variants", nargs="*", metavar="NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS]]")
+    ap.add_argument("--shapes", default=SHAPES, help="Q,KV,BATCH,CONTEXT;... (q heads, KV heads, batch, context)")
+    ap.add_argument("--presets", default="tq4")
+    ap.add_argument("--head-dims", default="128")
+    common.add_out_argument(ap, "benchmarks/results/kernel_variants/<gpu>-<presets>-d<head dims>")
+    args = ap.parse_args(argv)
+    provenance = common.provenance(common.command_line(NAME, argv))
+    variants = configs(args.variants)
+    print(f"{provenance['gpu']}, commit {provenance['commit']}", flush=True)
+    rows = []
+    for preset in args.presets.split(","):
+        for head_dim in map(int, args.head_dims.split(",")):
+            for q_heads, kv_heads, batch, ctx in shapes_of(args.shapes):
+                rows += run(variants, q_heads, kv_heads, batch, ctx, preset, head_dim)
+                torch.cuda.empty_cache()
+    what = args.presets.replace(",", "-") + "-d" + args.head_dims.replace(",", "-")
+    stem = common.stem_of(args.out) if args.out else common.result_stem(NAME, what)
+    write(rows, variants, stem, dict(shapes=args.shapes, variants=variants), provenance)
+
+
+def write(rows: list[dict], variants: dict[str, dict], stem: Path, meta: dict, provenance: dict) -> None:
+    common.write_json(common.with_ext(stem, ".json"), dict(meta=meta, rows=rows), provenance)
+    common.write_markdown(common.with_ext(stem, ".md"), markdown(rows, variants), provenance)
 
 
 if __name__ == "__main__":

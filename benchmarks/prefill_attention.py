@@ -8,34 +8,35 @@ A step's new tokens are written to the cache and attended causally over their se
 with the e2e model's shape (16 query / 4 KV heads, d 128, block 16), random bf16 inputs.
 Times are medians of triton's do_bench, no CUDA graph (vLLM does not capture prefill steps).
 
-    python benchmarks/prefill_attention.py [--steps 2x8192+0,1x8192+24576,16x1024+0] [--out DIR]
-Writes DIR/prefill_attention.{json,md,png} (default benchmarks/results). Run it with an older tree first on
-PYTHONPATH to compare versions of ours: the functions it calls keep their signatures.
+    python -m benchmarks prefill_attention [--steps 2x8192+0,1x8192+24576,16x1024+0] [--kv bf16,tq4,tq3] [--out PATH]
+Writes benchmarks/results/prefill_attention/<gpu>-16q4kv[-<steps>].{json,md,png} (the steps only where they are not
+the default ones).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from pathlib import Path
 
 import torch
-import triton
 
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
-from turboquant_vllm.kernels import store_kv
+from turboquant_vllm.ops import store_kv
 from turboquant_vllm.vllm import compat
-from turboquant_vllm.vllm.backend import dense_prefill_attention
+from turboquant_vllm.vllm.impl import dense_prefill_attention
 
-sys.path.insert(0, str(Path(__file__).parent))
-from plot import grouped_bars  # noqa: E402
+from . import common
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 4, 128, 16
 STEPS = "2x8192+0,1x8192+24576,16x1024+0"
-RESULTS = Path(__file__).parent / "results"
+NAME = "prefill_attention"
+
+
+def default_stem(steps: str, gpu: str | None = None) -> Path:
+    """benchmarks/results/prefill_attention/<gpu>-16q4kv[-<steps>]."""
+    what = f"{Q_HEADS}q{KV_HEADS}kv" + ("" if steps == STEPS else "-" + steps.replace(",", "-"))
+    return common.result_stem(NAME, what, gpu)
 
 
 class Step:
@@ -95,7 +96,7 @@ def flash_bf16(s: Step):
 
 def ours(s: Step, preset: str) -> dict:
     """The step, then its parts alone: the store, the expansion of the context, FlashAttention over it."""
-    from turboquant_vllm.kernels import dequantize_pages
+    from turboquant_vllm.ops import dequantize_pages
 
     layout = CacheLayout(get_preset(preset), HEAD_DIM, KV_HEADS, BLOCK)
     cache = torch.zeros(layout.cache_shape(s.num_blocks), dtype=torch.uint8, device="cuda")
@@ -121,12 +122,13 @@ def ours(s: Step, preset: str) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(NAME, __doc__)
     ap.add_argument("--steps", default=STEPS, help="SEQSxNEW+PREFIX,...")
     ap.add_argument("--kv", default="bf16,tq4,tq3")
-    ap.add_argument("--out", default=str(RESULTS))
-    args = ap.parse_args()
+    common.add_out_argument(ap, "benchmarks/results/prefill_attention/<gpu>-16q4kv")
+    args = ap.parse_args(argv)
+    provenance = common.provenance(common.command_line(NAME, argv))
     gen = torch.Generator().manual_seed(0)
     rows = []
     for spec in args.steps.split(","):
@@ -138,7 +140,7 @@ def main() -> None:
             for name, fn in ({"bf16": flash_bf16(s)} if kv == "bf16" else ours(s, kv)).items():
                 fn()
                 torch.cuda.synchronize()
-                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+                ms = common.time_ms(fn, cuda_graph=False, rep=200)  # vLLM does not capture prefill steps
                 base = ms if name == "bf16" else base
                 whole = name in ("bf16", kv)  # the parts of a step get no TFLOP/s or ratio
                 rows.append(dict(kv=name, step=s.name, seqs=seqs, new_tokens=new, prefix=s.prefix, time_ms=ms,
@@ -147,14 +149,13 @@ def main() -> None:
                 print(f"{name:14s} {s.name:>14s}: {ms:8.3f} ms  x{rows[-1]['vs_bf16'] or 0:.2f} vs bf16", flush=True)
         del s
         torch.cuda.empty_cache()
-    write(rows, Path(args.out))
+    write(rows, common.stem_of(args.out) if args.out else default_stem(args.steps), provenance)
 
 
-def write(rows, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                block_size=BLOCK, command="python benchmarks/prefill_attention.py")
-    (out / "prefill_attention.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+def write(rows, stem: Path, provenance: dict) -> None:
+    """stem.json (meta + rows), stem.md (the table), stem.png (time per step and KV cache)."""
+    meta = dict(device=provenance["gpu"], q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK)
+    common.write_json(common.with_ext(stem, ".json"), dict(meta=meta, rows=rows), provenance)
     lines = [f"Prefill attention of one layer (store + attention), {Q_HEADS} q / {KV_HEADS} KV heads, d={HEAD_DIM}, "
              f"{meta['device']}; step = sequences x new tokens + cached prefix\n",
              "| kv | step | time (ms) | attention TFLOP/s | speed vs bf16 |", "| --- | --- | --- | --- | --- |"]
@@ -162,12 +163,13 @@ def write(rows, out: Path) -> None:
         sp = f"{r['vs_bf16']:.2f}x" if r["vs_bf16"] else ""
         tf = f"{r['tflops']:.0f}" if r["tflops"] else ""
         lines.append(f"| {r['kv']} | {r['step']} | {r['time_ms']:.3f} | {tf} | {sp} |")
-    (out / "prefill_attention.md").write_text("\n".join(lines) + "\n")
+    common.write_markdown(common.with_ext(stem, ".md"), "\n".join(lines) + "\n", provenance)
     print("\n".join(lines))
     steps = list(dict.fromkeys(r["step"] for r in rows))
     kvs = list(dict.fromkeys(r["kv"] for r in rows if r["tflops"]))  # whole steps only
-    grouped_bars(out / "prefill_attention.png", rows, kvs, "kv", steps, lambda r: r["step"], steps,
-                 "one layer's prefill attention (ms, lower is better)", f"Prefill attention on {meta['device']}", (8, 4))
+    common.grouped_bars(common.with_ext(stem, ".png"), rows, kvs, "kv", steps, lambda r: r["step"], steps,
+                        "one layer's prefill attention (ms, lower is better)",
+                        f"Prefill attention on {meta['device']}", (8, 4))
 
 
 if __name__ == "__main__":

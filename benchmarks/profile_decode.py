@@ -1,14 +1,15 @@
 """Where a decode step's GPU time goes: CUDA time per kernel per decode step, for each KV cache.
 
-The e2e model shape (benchmarks/e2e.py, random weights) runs in vLLM in-process and eager, so every
+The e2e model shape (benchmarks.e2e, random weights) runs in vLLM in-process and eager, so every
 kernel shows up under torch.profiler by name. The engine is stepped by hand: once every request
 has finished its prefill, STEPS steps in which all of them decode are profiled. GPU time per
 kernel per step, and launches per step and layer: under CUDA graphs each launch still costs its
 own GPU time and a gap. (The wall time of such steps as served, graphs and host work included, is
 e2e.py's decode_only_tok_s.)
 
-    python benchmarks/profile_decode.py [--kv bf16,tq4] [--batch 64 --context 8192] [--heads 16/4]
-Writes benchmarks/results/profile_decode.{json,md}.
+    python -m benchmarks profile_decode [--kv bf16,tq4] [--batch 64 --context 8192] [--heads 16/4] [--out PATH]
+Writes benchmarks/results/profile_decode/<gpu>-[<Q>q<KV>kv-]<batch>x<context>.{json,md} (e.g. h200-64x8k; the heads
+only where they are not the e2e model's 16 / 4), the children's logs in the folder of that name.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from e2e import KV, child_row, model_config  # noqa: E402
+from . import common
+from .e2e import HEADS, KV, child_row, model_config
 
-RESULTS = Path(__file__).parent / "results"
+NAME = "profile_decode"
 STEPS = 16
 MAX_GENERATED = 512
 
@@ -81,6 +81,12 @@ def profile(kv: str, model_dir: str, batch: int, context: int, layers: int) -> d
                 launches_per_layer=launches / layers, kernels=kernels)
 
 
+def default_stem(heads: str, batch: int, context: int, gpu: str | None = None) -> Path:
+    """benchmarks/results/profile_decode/<gpu>-[<Q>q<KV>kv-]<batch>x<context>."""
+    q, kv = heads.split("/")
+    return common.result_stem(NAME, ("" if heads == HEADS else f"{q}q{kv}kv-") + common.shape_tag(batch, context), gpu)
+
+
 def markdown(rows: list[dict], command: str) -> str:
     lines = [f"Command: `{command}`", ""]
     for r in rows:
@@ -93,39 +99,43 @@ def markdown(rows: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(NAME, __doc__)
     ap.add_argument("--kv", default="bf16,tq4")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--heads", default="16/4")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--heads", default=HEADS)
+    common.add_out_argument(ap, "benchmarks/results/profile_decode/<gpu>-<batch>x<context>")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    model, _ = model_config(args.heads)
+    args = ap.parse_args(argv)
+    model = model_config(args.heads)
     if args.child:
         kv, model_dir = args.child.split(":", 1)
         row = profile(kv, model_dir, args.batch, args.context, model["num_hidden_layers"])
         print("PROFILE_ROW " + json.dumps(row), flush=True)
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    stem = common.stem_of(args.out) if args.out else default_stem(args.heads, args.batch, args.context)
+    stem.mkdir(parents=True, exist_ok=True)  # the children's logs
     rows = []
-    command = "python benchmarks/profile_decode.py " + " ".join(sys.argv[1:])
+    command = common.command_line(NAME, argv)
+    provenance = common.provenance(command)
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(model))
         for kv in args.kv.split(","):
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **KV[kv][2])
-            cmd = [sys.executable, __file__, "--batch", str(args.batch), "--context", str(args.context),
-                   "--heads", args.heads, "--child", f"{kv}:{model_dir}"]
-            row = child_row(cmd, env, out / f"profile_decode_{kv}.log", "PROFILE_ROW")
+            env = common.child_env(dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **KV[kv][2]))
+            cmd = common.module_command(NAME, "--batch", str(args.batch), "--context", str(args.context),
+                                        "--heads", args.heads, "--child", f"{kv}:{model_dir}")
+            row = child_row(cmd, env, stem / f"{kv}.log", "PROFILE_ROW")
             if row is None:
                 continue
             rows.append(row)
-            doc = dict(command=command, model=model, rows=rows)
-            (out / "profile_decode.json").write_text(json.dumps(doc, indent=1))
-            (out / "profile_decode.md").write_text(markdown(rows, command))
+            write(rows, stem, command, model, provenance)  # after every row: a cut-off run keeps what it measured
     print(markdown(rows, command))
+
+
+def write(rows: list[dict], stem: Path, command: str, model: dict, provenance: dict) -> None:
+    common.write_json(common.with_ext(stem, ".json"), dict(command=command, model=model, rows=rows), provenance)
+    common.write_markdown(common.with_ext(stem, ".md"), markdown(rows, command), provenance)
 
 
 if __name__ == "__main__":

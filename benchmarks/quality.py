@@ -40,16 +40,18 @@ KV cache in its own process (vLLM engines do not tear down cleanly in one), bf16
   its bf16 boundary layers (the in-tree turboquant_* leave the first and last 2 layers
   uncompressed).
 
-On the GPU machine (inputs must lie inside the repo tree to travel):
-    python3 benchmarks/quality.py --model MODEL_DIR --wikitext data/wikitext2-test.txt \\
+On the GPU machine, from the repository root (inputs must lie inside the repo tree to travel):
+    python -m benchmarks quality --model MODEL_DIR --wikitext data/wikitext2-test.txt \\
         --heldout data/val.bin --haystack data/paul_graham_essays [--kv bf16,tq4] [--merge] [--parallel 3]
 --parallel N runs the KV caches after bf16 N at once on the one GPU, each with min(--gpu-memory-utilization,
 0.85 / N) of its memory, a new one starting only once the running ones have their engines up.
-Writes --out (benchmarks/results/quality.json) after every KV cache, the children's logs beside
-it (quality.log), and prints the table. Rendering is a separate, local step:
-    python benchmarks/quality.py --report benchmarks/results/quality.json
-writes quality.md, quality.png (quality vs bytes, Pareto front), quality_needle.png (every cache) and
-quality_needle/<kv>.png (one heatmap per KV cache).
+Writes --out (the headline benchmarks/results/quality.json) after every KV cache, the children's logs in the folder
+of its name (benchmarks/results/quality/<gpu>-children.log), and prints the table. Rendering is a separate, local
+step:
+    python -m benchmarks quality --report benchmarks/results/quality.json
+writes quality.md, quality.png (quality vs bytes, Pareto front) beside the JSON (or in --results-dir), and in the
+folder of its name (benchmarks/results/quality/) needle.png (every cache) and needle/<kv>.png (one heatmap per KV
+cache).
 """
 
 from __future__ import annotations
@@ -64,18 +66,17 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # reference_lm (the pass-key format), this checkout's package
-RESULTS = ROOT / "benchmarks" / "results"
+from turboquant_vllm.core.presets import PRESETS  # ours, in table order
 
-from turboquant_vllm.core.presets import PRESETS  # noqa: E402  (ours, in table order)
+from . import common
+
+NAME = "quality"
 
 CALIBRATED = "-cal"
 # kv name -> (attention backend, kv_cache_dtype, extra environment); bf16 first: it makes the KL reference
@@ -303,7 +304,8 @@ def evaluate(kv: str, work: Path) -> None:
 # ---- the run: one child per KV cache -------------------------------------------------------
 
 def child_command(kv: str, work: Path) -> list[str]:
-    return [sys.executable, __file__, "--child", kv, "--work", str(work)]
+    """python -m benchmarks.quality --child KV (run with common.child_env: the repository root on PYTHONPATH)."""
+    return common.module_command(NAME, "--child", kv, "--work", str(Path(work).resolve()))
 
 
 def child(kv: str, work: Path, env: dict, timeout: float, startup: threading.Lock) -> tuple[str, str, int, float]:
@@ -324,7 +326,7 @@ def child(kv: str, work: Path, env: dict, timeout: float, startup: threading.Loc
     with startup:
         t0 = time.perf_counter()
         deadline = t0 + (timeout or math.inf)
-        proc = subprocess.Popen(child_command(kv, work), env=env, text=True, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(child_command(kv, work), env=common.child_env(env), text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
         readers = [threading.Thread(target=read, args=(proc.stdout, stdout)),
                    threading.Thread(target=read, args=(proc.stderr, stderr))]
@@ -363,10 +365,12 @@ def run(args) -> None:
     t0 = time.perf_counter()
     inp = prepare(args)
     (work / "inputs.json").write_text(json.dumps(inp))
-    command = " ".join(["python", "benchmarks/quality.py", *sys.argv[1:]])
+    command = common.command_line(NAME, getattr(args, "argv", None))
+    provenance = common.provenance(command)
     doc = dict(model=Path(args.model).name, rows=[], commands=[])
     if args.merge and out.exists():  # keep the other KV caches' rows of an earlier call
         doc = json.loads(out.read_text())
+        doc.pop("meta", None)  # this call's provenance replaces the earlier one's; merged rows keep their command
         doc["rows"] = [r for r in doc["rows"] if r["kv"] not in chosen]
     doc["commands"].append(command)
     doc.update(vllm=metadata.version("vllm"), work=str(work), settings=dict(
@@ -378,7 +382,8 @@ def run(args) -> None:
         parallel_gpu_memory_utilization=share, prepare_seconds=time.perf_counter() - t0))
     if calibration:
         doc["key_calibration"] = args.key_calibration
-    log = out.with_suffix(".log")
+    log = children_log(out, provenance["gpu"])
+    log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     startup = threading.Lock()
 
@@ -402,7 +407,7 @@ def run(args) -> None:
         row["seconds"] = seconds
         row["command"] = command  # rows merged from other calls keep theirs
         doc["rows"] = sorted(doc["rows"] + [row], key=lambda r: list(KV).index(r["kv"]))
-        out.write_text(json.dumps(doc, indent=1))  # after every KV cache: a cut-off run keeps what it measured
+        common.write_json(out, doc, provenance)  # after every KV cache: a cut-off run keeps what it measured
         print(f"{kv}: {row.get('error', 'ok').splitlines()[-1]} ({row['seconds']:.0f} s)", flush=True)
 
     order = [k for k in KV if k in chosen]
@@ -416,6 +421,11 @@ def run(args) -> None:
 
 
 # ---- the report: markdown and figures, rendered locally -------------------------------------
+
+def children_log(out: Path, gpu: str | None) -> Path:
+    """The children's output: <folder of out's name>/<gpu>-children.log (benchmarks/results/quality/h100-...)."""
+    return common.stem_of(out) / f"{common.gpu_tag(gpu)}-children.log"
+
 
 def _pct(x, base) -> str:
     return "" if x is None else f"{x:.3f}" + (f" ({(x / base - 1) * 100:+.2f}%)" if base else "")
@@ -466,7 +476,8 @@ def _family(kv: str) -> str:
     return "in-tree TurboQuant" if kv.startswith("turboquant_") else "baseline" if kv in ("bf16", "fp8") else "ours"
 
 
-def plot(doc: dict, results: Path) -> None:
+def plot(doc: dict, results: Path, needles: Path) -> None:
+    """results/quality.png; needles.png and needles/<kv>.png: the needle heatmaps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -495,6 +506,7 @@ def plot(doc: dict, results: Path) -> None:
     fig.suptitle(f"{doc['model']}: quality vs KV cache size (lower left is better)")
     fig.tight_layout()
     fig.savefig(results / "quality.png", dpi=120)
+    plt.close(fig)
 
     grids = [r for r in rows if r.get("needle_grid")]
     cols = max(1, min(4, len(grids)))
@@ -506,15 +518,16 @@ def plot(doc: dict, results: Path) -> None:
         _needle_heatmap(ax, r)
     fig.suptitle(f"{doc['model']}: pass-key accuracy")
     fig.tight_layout()
-    fig.savefig(results / "quality_needle.png", dpi=120)
+    needles.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(common.with_ext(needles, ".png"), dpi=120)
     plt.close(fig)
-    (results / "quality_needle").mkdir(exist_ok=True)
+    needles.mkdir(exist_ok=True)
     for r in grids:  # and one file per KV cache
         fig, ax = plt.subplots(figsize=(4.2, 3.6))
         _needle_heatmap(ax, r)
         fig.suptitle(f"{doc['model']}: pass-key accuracy", fontsize=9)
         fig.tight_layout()
-        fig.savefig(results / "quality_needle" / f"{r['kv']}.png", dpi=120)
+        fig.savefig(needles / f"{r['kv']}.png", dpi=120)
         plt.close(fig)
 
 
@@ -530,14 +543,19 @@ def _needle_heatmap(ax, row: dict) -> None:
 
 
 def report(path: Path, results: Path) -> None:
+    """results/quality.md and quality.png, results/quality/needle.png and needle/<kv>.png."""
     doc = json.loads(path.read_text())
     results.mkdir(parents=True, exist_ok=True)
-    (results / "quality.md").write_text(markdown(doc))
-    plot(doc, results)
+    text = markdown(doc)
+    if doc.get("meta"):  # a file from before the provenance was recorded renders without its header
+        common.write_markdown(results / "quality.md", text, doc["meta"])
+    else:
+        (results / "quality.md").write_text(text)
+    plot(doc, results, results / NAME / "needle")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(NAME, __doc__)
     ap.add_argument("--model", help="HF model directory (config.json, safetensors, tokenizer.json)")
     ap.add_argument("--wikitext", help="WikiText-2 test split, raw text")
     ap.add_argument("--heldout", help="held-out token file: flat uint16 ids (val.bin)")
@@ -554,7 +572,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=64,
                     help="prefill tokens per sequence and step, <= 128 (see the docstring)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    ap.add_argument("--out", default=str(RESULTS / "quality.json"))
+    ap.add_argument("--out", default=str(common.RESULTS / "quality.json"), help="the results' JSON")
     ap.add_argument("--work", default="/tmp/turboquant_quality",
                     help="inputs and bf16's KL reference; keep it across --merge calls")
     ap.add_argument("--key-calibration", help=f"key calibration file for the *{CALIBRATED} caches "
@@ -572,6 +590,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    args.argv = argv
     if args.report:
         report(Path(args.report), Path(args.results_dir or Path(args.report).parent))
     elif args.child:

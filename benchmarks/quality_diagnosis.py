@@ -23,19 +23,18 @@ core.calibration) with its mean, its scale or both; 5-bit keys (k5v3 at tq4's 13
 key codebooks fitted to the calibrated rotated coordinates instead of the sphere marginal's; exact
 first and last layers on top of the calibration.
 
-    PYTHONPATH=src:. python benchmarks/quality_diagnosis.py [--windows 8 --seq-len 2048 --threads 1]
-writes benchmarks/results/quality_diagnosis.json and .md.
+    python -m benchmarks quality_diagnosis [--windows 8 --seq-len 2048 --threads 1] [--only NAMES] [--out PATH]
+writes benchmarks/results/quality_diagnosis/cpu-<model>.{json,md} (cpu-reference-lm; with --only, the JSON alone, as
+cpu-<model>-only.json).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import math
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,17 +44,18 @@ import torch
 import torch.nn.functional as F
 from scipy import special
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+from reference_lm.model import Llama, ModelConfig, rope_cos_sin
+from turboquant_vllm.core.calibration import load_calibration
+from turboquant_vllm.core.codebook import codebook, lloyd_max
+from turboquant_vllm.core.presets import NORM_BYTES
+from turboquant_vllm.core.quantizer import Quantizer
+from turboquant_vllm.core.rotation import rotation_matrix
 
-from reference_lm.model import Llama, ModelConfig, rope_cos_sin  # noqa: E402
-from turboquant_vllm.core.calibration import load_calibration  # noqa: E402
-from turboquant_vllm.core.codebook import codebook, lloyd_max  # noqa: E402
-from turboquant_vllm.core.presets import NORM_BYTES  # noqa: E402
-from turboquant_vllm.core.quantizer import Quantizer  # noqa: E402
-from turboquant_vllm.core.rotation import rotation_matrix  # noqa: E402
+from . import common
+from .common import ROOT
 
-RESULTS = ROOT / "benchmarks" / "results"
+NAME = "quality_diagnosis"
+RESULTS = common.RESULTS
 KEY_CALIBRATION = ROOT / "models" / "reference-lm-key-calibration.safetensors"
 BOS = 0
 EXACT_BYTES = 2  # an unquantized ("exact") vector is stored in bf16, as vLLM's boundary layers
@@ -769,7 +769,7 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.parser(NAME, __doc__)
     p.add_argument("--model", type=Path, default=ROOT / "models" / "reference-lm")
     p.add_argument("--val", type=Path, default=ROOT / "build" / "reference_lm" / "val.bin")
     p.add_argument("--windows", type=int, default=8)
@@ -781,11 +781,14 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--batch", type=int, default=2, help="windows per forward")
     p.add_argument("--only", default="", help="config names separated by ';' (names hold commas; default: all)")
-    p.add_argument("--out", type=Path, default=RESULTS / "quality_diagnosis.json")
+    common.add_out_argument(p, "benchmarks/results/quality_diagnosis/cpu-<model>[-only]")
     p.add_argument("--report-only", action="store_true", help="rewrite the .md from the existing --out JSON")
     args = p.parse_args(argv)
+    stem = common.stem_of(args.out) if args.out else default_stem(args.model, bool(args.only))
+    out = common.with_ext(stem, ".json")
     if args.report_only:  # e.g. after a change of the findings' wording: the numbers stay those of the run
-        args.out.with_suffix(".md").write_text(markdown(json.loads(args.out.read_text())))
+        doc = json.loads(out.read_text())
+        write_markdown(common.with_ext(stem, ".md"), doc)
         return {}
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -800,8 +803,9 @@ def main(argv=None) -> dict:
     rows = [(g, cfg) for g, cfg in configurations(c.num_hidden_layers)
             if not args.only or cfg.name in args.only.split(";")]
     results = evaluate(model, windows, [cfg for _, cfg in rows], args.batch, fitted)
+    command = common.command_line(NAME, argv)
     doc = dict(
-        command=" ".join(["PYTHONPATH=src:. python benchmarks/quality_diagnosis.py", *(argv or sys.argv[1:])]),
+        command=command,
         model=dict(path=str(args.model), num_layers=c.num_hidden_layers, head_dim=c.head_dim,
                    kv_heads=c.num_key_value_heads, q_heads=c.num_attention_heads),
         windows=args.windows, calib_windows=args.calib_windows, seq_len=args.seq_len, seed=args.seed,
@@ -821,12 +825,26 @@ def main(argv=None) -> dict:
         if (RESULTS / "quality.json").exists() else None,
     )
     doc["seconds"] = time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    doc["meta"] = common.provenance(command)
+    common.write_json(out, doc, doc["meta"])
     if not args.only:  # the findings need every row
-        args.out.with_suffix(".md").write_text(markdown(doc))
-    print(f"wrote {args.out} ({doc['seconds']:.0f} s)")
+        write_markdown(common.with_ext(stem, ".md"), doc)
+    print(f"wrote {out} ({doc['seconds']:.0f} s)")
     return doc
+
+
+def default_stem(model: Path, only: bool) -> Path:
+    """benchmarks/results/quality_diagnosis/cpu-<model directory's name>[-only]: a CPU forward, wherever it runs."""
+    return common.result_stem(NAME, Path(model).name + ("-only" if only else ""), gpu="cpu")
+
+
+def write_markdown(path: Path, doc: dict) -> None:
+    """The report, under the provenance header of the run that measured it (none for a file from before)."""
+    if doc.get("meta"):
+        common.write_markdown(path, markdown(doc), doc["meta"])
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown(doc))
 
 
 if __name__ == "__main__":

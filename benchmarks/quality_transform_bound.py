@@ -9,23 +9,24 @@ output error of query head j is W_j e (W_j its o_proj columns), so S_q becomes G
 Printed: each bound over the untransformed one, per layer and KV head, and summed, on held-out windows of the
 reference LM (post-RoPE q and k, as the cache sees them).
 
-    python benchmarks/quality_transform_bound.py [--windows 2] [--seq-len 2048]
+    python -m benchmarks quality_transform_bound [--windows 2] [--seq-len 2048]
+Prints its findings after a provenance header (log: benchmarks/results/quality_diagnosis/).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import quality_diagnosis as qd  # noqa: E402
-from reference_lm.model import apply_rope, rope_cos_sin  # noqa: E402
+from reference_lm.model import apply_rope, rope_cos_sin
+
+from . import common
+from . import quality_diagnosis as qd
+from .common import ROOT
+
+NAME = "quality_transform_bound"
 
 
 def sqrtm(a: torch.Tensor) -> torch.Tensor:
@@ -43,13 +44,14 @@ def bounds(cov: torch.Tensor, weight: torch.Tensor) -> tuple[float, float, float
     return none.item(), diag.item(), full.item()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(NAME, __doc__)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "reference-lm")
     ap.add_argument("--val", type=Path, default=ROOT / "build" / "reference_lm" / "val.bin")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=2048)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    common.print_header(common.command_line(NAME, argv))
     model = qd.load_model(args.model)
     val = np.fromfile(args.val, dtype=np.uint16)
     t = args.seq_len

@@ -2,7 +2,7 @@
 
 Each kernel reads a cache of random K/V for `batch` sequences of `context` tokens (pages shuffled, block 16) with
 one query token per sequence, is captured in a CUDA graph and timed by replay, so launch overhead is out of the
-comparison for all alike. `turboquant-vllm bench` prints the table; benchmarks/decode_kernel.py adds vLLM's
+comparison for all alike. `turboquant-vllm bench` prints the table; `python -m benchmarks decode_kernel` adds vLLM's
 in-tree TurboQuant and writes result files.
 """
 

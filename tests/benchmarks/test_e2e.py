@@ -1,19 +1,26 @@
-"""benchmarks/e2e.py without a GPU: the model shapes and the written results."""
+"""benchmarks.e2e without a GPU: the model shapes, the result paths and the written results."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import e2e  # noqa: E402
+from benchmarks import common, e2e
 
 
 def test_model_shapes():
-    assert e2e.model_config("16/4") == (e2e.MODEL, "e2e")
-    model, stem = e2e.model_config("32/8")
-    assert stem == "e2e_32q8kv"
+    assert e2e.model_config("16/4") == e2e.MODEL
+    model = e2e.model_config("32/8")
     assert (model["num_attention_heads"], model["num_key_value_heads"], model["hidden_size"]) == (32, 8, 4096)
     assert model["head_dim"] == 128 and model["num_hidden_layers"] == e2e.MODEL["num_hidden_layers"]
+
+
+def test_result_paths_headline_and_configurations():
+    results = common.RESULTS
+    assert e2e.result_paths(e2e.MODEL, gpu="h200") == (results / "e2e", results / "e2e" / "h200-llama16l-16q4kv")
+    stem, logs = e2e.result_paths(e2e.model_config("32/8"), gpu="h200")
+    assert stem == logs == results / "e2e" / "h200-llama16l-32q8kv"
+    assert e2e.result_paths(e2e.MODEL, tp=2, gpu="h200")[0].name == "h200-llama16l-16q4kv-tp2"
+    assert (e2e.result_paths(e2e.MODEL, at_limit=8192, at_limit_generate=1024, gpu="h100")[0].name
+            == "h100-llama16l-16q4kv-at-limit-8k-gen1024")
+    assert e2e.result_paths(e2e.MODEL, runs="8x1024", gpu="h200")[0].name == "h200-llama16l-16q4kv-8x1k"
 
 
 def test_write_tables_ratios_and_plot(tmp_path):
@@ -21,16 +28,19 @@ def test_write_tables_ratios_and_plot(tmp_path):
             dict(kv="tq4", kv_tokens=3760, decode_tok_s_64x8k=120.0, decode_only_tok_s_64x8k=130.0,
                  prefill_tok_s_64x8k=40.0, at_limit_req_s=2.5,
                  at_limit_generated=1024, command="run B")]
-    model, stem = e2e.model_config("32/8")
-    e2e.write(rows, tmp_path, "64x8192", model, stem)
-    data = json.loads((tmp_path / "e2e_32q8kv.json").read_text())
+    meta = common.provenance("python -m benchmarks e2e --heads 32/8")
+    e2e.write(rows, tmp_path / "h200-llama16l-32q8kv", "64x8192", e2e.model_config("32/8"), meta)
+    data = json.loads((tmp_path / "h200-llama16l-32q8kv.json").read_text())
     assert [r["kv_tokens_vs_bf16"] for r in data["rows"]] == [1.0, 3.76]
     assert data["rows"][1]["prefill_tok_s"] == 40.0 and data["rows"][0]["decode_tok_s_32x32k"] is None
-    md = (tmp_path / "e2e_32q8kv.md").read_text()
+    assert data["meta"]["runs"] == "64x8192" and data["meta"]["command"] == "python -m benchmarks e2e --heads 32/8"
+    assert data["meta"]["versions"]["torch"] and "commit" in data["meta"] and "gpu" in data["meta"]
+    md = (tmp_path / "h200-llama16l-32q8kv.md").read_text()
+    assert md.startswith("<sub>`python -m benchmarks e2e --heads 32/8` at commit ")
     assert "32 q / 8 KV heads" in md and "| tq4 | 3,760 | 3.76x | 120 |  | 130 |  | 40 | 2.50 |" in md
     assert "- bf16: `run A`" in md and "- tq4: `run B`" in md  # merged rows name the call that measured them
     assert "Memory-limit load: 1024 tokens generated per request." in md
-    assert (tmp_path / "e2e_32q8kv.png").stat().st_size > 0
+    assert (tmp_path / "h200-llama16l-32q8kv.png").stat().st_size > 0
 
 
 def test_steps_split_the_prefill_phase_from_the_decode_only_steps():
@@ -50,6 +60,6 @@ def test_steps_split_the_prefill_phase_from_the_decode_only_steps():
 
 def test_tensor_parallel_rows_name_it(tmp_path):
     rows = [dict(kv="bf16", kv_tokens=2000, tensor_parallel_size=2, decode_tok_s_64x8k=100.0, command="run")]
-    e2e.write(rows, tmp_path, "64x8192", e2e.MODEL, "e2e_tp2")
-    assert json.loads((tmp_path / "e2e_tp2.json").read_text())["meta"]["tensor_parallel_size"] == 2
-    assert "4 KV heads, head_dim 128, tensor parallel 2." in (tmp_path / "e2e_tp2.md").read_text()
+    e2e.write(rows, tmp_path / "e2e", "64x8192", e2e.MODEL)
+    assert json.loads((tmp_path / "e2e.json").read_text())["meta"]["tensor_parallel_size"] == 2
+    assert "4 KV heads, head_dim 128, tensor parallel 2." in (tmp_path / "e2e.md").read_text()

@@ -1,11 +1,9 @@
-"""benchmarks/prefill_attention.py without a GPU: the FLOP count and the written table."""
+"""benchmarks.prefill_attention without a GPU: the FLOP count, the result path and the written table."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import prefill_attention as pa  # noqa: E402
+from benchmarks import common
+from benchmarks import prefill_attention as pa
 
 
 def test_causal_flops_counts_the_keys_each_query_attends():
@@ -15,14 +13,21 @@ def test_causal_flops_counts_the_keys_each_query_attends():
     assert pa.causal_flops(2, 2, 5) == 2 * per_key * (6 + 7)
 
 
-def test_write_puts_every_row_in_json_and_markdown(tmp_path, monkeypatch):
-    monkeypatch.setattr(pa.torch.cuda, "get_device_name", lambda: "test GPU")
+def test_default_path_names_the_gpu_and_the_steps():
+    assert pa.default_stem(pa.STEPS, "h100") == common.RESULTS / "prefill_attention" / "h100-16q4kv"
+    assert pa.default_stem("2x8192+0,1x1024+0", "h200").name == "h200-16q4kv-2x8192+0-1x1024+0"
+
+
+def test_write_puts_every_row_in_json_and_markdown(tmp_path):
+    meta = dict(common.provenance("python -m benchmarks prefill_attention"), gpu="test GPU")
     rows = [dict(kv="bf16", step="2x8192+0", time_ms=0.993, tflops=554.0, vs_bf16=1.0),
             dict(kv="tq4", step="2x8192+0", time_ms=1.082, tflops=508.0, vs_bf16=0.918),
             dict(kv="tq4 store", step="2x8192+0", time_ms=0.051, tflops=None, vs_bf16=None)]
-    pa.write(rows, tmp_path)
-    assert json.loads((tmp_path / "prefill_attention.json").read_text())["rows"] == rows
-    md = (tmp_path / "prefill_attention.md").read_text()
+    pa.write(rows, tmp_path / "h100-16q4kv", meta)
+    doc = json.loads((tmp_path / "h100-16q4kv.json").read_text())
+    assert doc["rows"] == rows and doc["meta"]["device"] == "test GPU" and doc["meta"]["q_heads"] == pa.Q_HEADS
+    assert doc["meta"]["command"] == "python -m benchmarks prefill_attention"
+    md = (tmp_path / "h100-16q4kv.md").read_text()
     assert "| tq4 | 2x8192+0 | 1.082 | 508 | 0.92x |" in md and "test GPU" in md
     assert "| tq4 store | 2x8192+0 | 0.051 |  |  |" in md
-    assert (tmp_path / "prefill_attention.png").stat().st_size > 0
+    assert (tmp_path / "h100-16q4kv.png").stat().st_size > 0

@@ -1,22 +1,16 @@
-"""benchmarks/quality.py on the CPU: its pure pieces and the report, no vLLM engine."""
+"""benchmarks.quality on the CPU: its pure pieces and the report, no vLLM engine."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-# loaded by path: some wheels install a top-level `benchmarks` package into site-packages
-_spec = importlib.util.spec_from_file_location("quality", ROOT / "benchmarks" / "quality.py")
-quality = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(quality)
+from benchmarks import quality
 
 
 @pytest.mark.parametrize("prefix", [[], [0]], ids=["no-bos", "bos"])
@@ -185,10 +179,10 @@ def test_report_writes_markdown_and_figures(tmp_path):
     src.write_text(json.dumps(results_doc()))
     quality.main(["--report", str(src), "--results-dir", str(tmp_path / "out")])
     assert (tmp_path / "out" / "quality.md").read_text() == quality.markdown(results_doc())
-    heatmaps = [f"quality_needle/{r['kv']}.png" for r in results_doc()["rows"] if r.get("needle_grid")]
-    assert len(heatmaps) == 5 and sorted(p.name for p in (tmp_path / "out" / "quality_needle").iterdir()) == sorted(
-        h.split("/")[1] for h in heatmaps)  # one per KV cache with a grid (the failed one has none)
-    for name in ("quality.png", "quality_needle.png", *heatmaps):
+    heatmaps = [f"quality/needle/{r['kv']}.png" for r in results_doc()["rows"] if r.get("needle_grid")]
+    assert len(heatmaps) == 5 and sorted(p.name for p in (tmp_path / "out" / "quality" / "needle").iterdir()) == sorted(
+        h.split("/")[-1] for h in heatmaps)  # one per KV cache with a grid (the failed one has none)
+    for name in ("quality.png", "quality/needle.png", *heatmaps):
         assert (tmp_path / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -253,7 +247,8 @@ def test_parallel_run_schedules_children(tmp_path, monkeypatch, capsys):
     assert rows["k5v4"] == {"kv": "k5v4", "error": "RuntimeError: no engine", "seconds": rows["k5v4"]["seconds"],
                             "bytes_per_token_formula": 152, "bytes_per_token": 152,
                             "command": rows["k5v4"]["command"]}  # no row: the formula's bytes
-    assert all(r["command"].startswith("python benchmarks/quality.py") for r in rows.values())
+    assert all(r["command"].startswith("python -m benchmarks quality") for r in rows.values())
+    assert doc["meta"]["command"] == rows["bf16"]["command"] and "commit" in doc["meta"]  # the call's provenance
     assert all("error" not in r and r["ppl_wikitext2"] == 20.0 for kv, r in rows.items() if kv not in ("tq2", "k5v4"))
     share = 0.85 / parallel  # below the default 0.5
     assert rows["bf16"]["gpu_memory_utilization"] is None  # bf16 alone keeps inputs.json's share
@@ -261,7 +256,8 @@ def test_parallel_run_schedules_children(tmp_path, monkeypatch, capsys):
                if kv not in ("bf16", "k5v4"))
     assert doc["settings"]["parallel"] == parallel
     assert doc["settings"]["parallel_gpu_memory_utilization"] == pytest.approx(share)
-    log = out.with_suffix(".log").read_text()
+    log = quality.children_log(out, None).read_text()
+    assert quality.children_log(out, None) == tmp_path / "quality" / "cpu-children.log"
     assert all(f"==== {kv} (rc {1 if kv in ('tq2', 'k5v4') else 0})" in log for kv in chosen)
     printed = capsys.readouterr().out
     assert printed.endswith(quality.markdown(doc) + "\n") and "ran 3 at once" in printed

@@ -1,20 +1,11 @@
-"""benchmarks/quality_diagnosis.py on the CPU with a tiny random Llama (no model files)."""
+"""benchmarks.quality_diagnosis on the CPU with a tiny random Llama (no model files)."""
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-# loaded by path: some wheels install a top-level `benchmarks` package into site-packages
-_spec = importlib.util.spec_from_file_location("quality_diagnosis", ROOT / "benchmarks" / "quality_diagnosis.py")
-qd = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = qd  # dataclasses look their module up there
-_spec.loader.exec_module(qd)
+from benchmarks import quality_diagnosis as qd
 
 HEAD_DIM = 32
 

@@ -1,12 +1,8 @@
-"""benchmarks/quality_transform_bound.py: the bounds are the minima they claim to be."""
-
-import sys
-from pathlib import Path
+"""benchmarks.quality_transform_bound: the bounds are the minima they claim to be."""
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import quality_transform_bound as qtb  # noqa: E402
+from benchmarks import quality_transform_bound as qtb
 
 
 def spd(gen: torch.Generator, d: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Rotations into and out of the cache's basis; references: naive.rotate_queries_reference, merge_and_unrotate_reference."""
+"""Rotations into and out of the cache's basis; references: naive.rotate_queries_reference and
+naive.merge_and_unrotate_reference."""
 
 from .rotation import merge_and_unrotate, rotate_queries
 

@@ -1,0 +1,29 @@
+"""The benchmarks, one module each, run from the repository root by one runner:
+
+    python -m benchmarks                  # lists them
+    python -m benchmarks <name> [args]    # runs one (as does python -m benchmarks.<name> [args])
+
+Each module has a main(argv=None); benchmarks.common holds what they share (result paths, the provenance every
+result file records, timing, plots). Results: benchmarks/results/<name>/<gpu>-<what>.<ext>, except the two headline
+summaries, benchmarks/results/e2e.{json,md,png} and benchmarks/results/quality.{json,md,png}.
+"""
+
+# name -> one line: what it measures. Importing this package stays light (no torch): the runner lists these.
+BENCHMARKS = {
+    "decode_kernel": "decode attention alone: our presets vs FlashAttention-3 bf16 / fp8 and vLLM's in-tree TurboQuant "
+                     "(GPU, CUDA-graph replay)",
+    "e2e": "vLLM end to end per KV cache: KV tokens that fit, decode and prefill throughput, requests/s at the memory "
+           "limit (GPU)",
+    "prefill_attention": "one layer's prefill step: store + attention, ours vs FLASH_ATTN bf16 (GPU)",
+    "store_kernel": "the store kernel (rotate, quantize, pack, scatter) per batch size and tile configuration (GPU)",
+    "profile_decode": "GPU time per decode step by kernel, per KV cache, under torch.profiler (GPU)",
+    "quality": "quality per KV cache in real vLLM: perplexity, pass-key retrieval, KL vs bf16, bytes per token "
+               "(GPU; --report renders on a CPU)",
+    "quality_diagnosis": "where the quantization error of the reference LM comes from and which remedies pay "
+                         "(CPU, fp32 forward)",
+    "quality_transform_bound": "bound on what a learned linear transform of K or V could cut from the quantization "
+                               "error (CPU)",
+    "kernel_variants": "decode attention under launch variants (warps, tiles, registers, stages, splits) vs the launch "
+                       "policy, with the error vs the reference (GPU)",
+    "kernel_sass": "compile a kernel for sm_90 offline (no GPU): registers, spills, the main loop's instruction mix",
+}
