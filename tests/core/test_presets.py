@@ -1,6 +1,6 @@
-from tests.ops.cases import skip_if_refused
 import pytest
 
+from tests.ops.cases import skip_if_refused
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import PRESETS, get_preset
 

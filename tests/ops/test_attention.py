@@ -8,9 +8,9 @@ import torch
 from tests.conftest import DEVICE, FULL_MATRIX
 from tests.ops.cases import make_paged_batch, random_calibration, refused
 from turboquant_vllm.core.presets import PRESETS
+from turboquant_vllm.ops import attention_workspace_shape, paged_attention
 from turboquant_vllm.ops.attention.naive import paged_attention_reference
 from turboquant_vllm.ops.store.naive import store_kv_reference
-from turboquant_vllm.ops import attention_workspace_shape, paged_attention
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 NUM_CASES = 240 if FULL_MATRIX else 30

@@ -4,9 +4,9 @@ import torch
 from tests.conftest import DEVICE
 from tests.ops.cases import make_paged_batch, random_calibration, skip_if_refused
 from turboquant_vllm.core.presets import PRESETS
+from turboquant_vllm.ops import dequantize_pages
 from turboquant_vllm.ops.dequant.naive import read_kv_reference
 from turboquant_vllm.ops.store.naive import store_kv_reference
-from turboquant_vllm.ops import dequantize_pages
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

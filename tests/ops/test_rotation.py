@@ -5,9 +5,9 @@ from tests.conftest import DEVICE
 from tests.ops.cases import random_calibration
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
-from turboquant_vllm.ops.rotation.naive import merge_and_unrotate_reference, rotate_queries_reference
 from turboquant_vllm.ops import merge_and_unrotate, rotate_queries
 from turboquant_vllm.ops.constants import kernel_constants
+from turboquant_vllm.ops.rotation.naive import merge_and_unrotate_reference, rotate_queries_reference
 
 HEAD_DIMS = [64, 96, 128, 256]
 

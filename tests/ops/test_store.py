@@ -5,10 +5,10 @@ from tests.conftest import DEVICE
 from tests.ops.cases import make_paged_batch, random_calibration, skip_if_refused
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.quantizer import Quantizer
-from turboquant_vllm.ops.rotation.naive import rotate_queries_reference
-from turboquant_vllm.ops.store.naive import store_kv_reference
 from turboquant_vllm.ops import store_kv
 from turboquant_vllm.ops.constants import kernel_constants
+from turboquant_vllm.ops.rotation.naive import rotate_queries_reference
+from turboquant_vllm.ops.store.naive import store_kv_reference
 from turboquant_vllm.ops.store.store import STORE_LARGE_BATCH, store_block_tokens
 
 HEAD_DIMS = [64, 96, 128, 256]

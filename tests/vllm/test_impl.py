@@ -9,9 +9,9 @@ import torch
 
 from tests.vllm.conftest import make_builder, make_cam, make_layers
 from turboquant_vllm.core.calibration import KeyCalibration, save_calibration
-from turboquant_vllm.ops.attention.naive import paged_attention_reference
-from turboquant_vllm.ops import store_kv
 from turboquant_vllm.core.layout import layout_of_cache
+from turboquant_vllm.ops import store_kv
+from turboquant_vllm.ops.attention.naive import paged_attention_reference
 from turboquant_vllm.vllm.backend import TQ4AttentionBackend
 from turboquant_vllm.vllm.settings import key_statistics, rank_kv_heads
 

@@ -22,9 +22,8 @@ from tests.ops.cases import skip_if_refused
 from tests.vllm.conftest import make_layers
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import PRESETS, get_preset
-from turboquant_vllm.vllm import compat
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend
 from turboquant_vllm.vllm import kv_spec
+from turboquant_vllm.vllm.backend import TQ4AttentionBackend
 from turboquant_vllm.vllm.kv_spec import TurboQuantFullAttentionSpec, TurboQuantSlidingWindowSpec
 
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from turboquant_vllm.core.presets import PRESETS, get_preset
-from turboquant_vllm.vllm import PRESET_CONFIG_KEY, resolve_preset
-from turboquant_vllm.vllm import settings
+from turboquant_vllm.vllm import PRESET_CONFIG_KEY, resolve_preset, settings
 from turboquant_vllm.vllm.backend import TQ4AttentionBackend
 from turboquant_vllm.vllm.settings import describe_preset, process_preset
 

@@ -15,8 +15,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .settings import (CALIBRATION_CONFIG_KEY, CALIBRATION_ENV, PRESET_CONFIG_KEY, PRESET_ENV, logger,
-                       resolve_calibration_path, resolve_preset)
+from .settings import (
+    CALIBRATION_CONFIG_KEY,
+    CALIBRATION_ENV,
+    PRESET_CONFIG_KEY,
+    PRESET_ENV,
+    logger,
+    resolve_calibration_path,
+    resolve_preset,
+)
 
 if TYPE_CHECKING:
     from .backend import TQ4AttentionBackend

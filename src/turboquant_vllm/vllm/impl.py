@@ -28,8 +28,18 @@ from . import compat
 from .compat import AttentionImpl, AttentionType
 from .kv_spec import install_kv_cache_spec_hook
 from .metadata import TQ4Metadata, reserve_workspace
-from .settings import (CALIBRATION_ENV, COLLECT_ENV, describe_preset, first_time, key_statistics, layer_calibration,
-                       logger, process_preset, read_calibration, resolve_calibration_path)
+from .settings import (
+    CALIBRATION_ENV,
+    COLLECT_ENV,
+    describe_preset,
+    first_time,
+    key_statistics,
+    layer_calibration,
+    logger,
+    process_preset,
+    read_calibration,
+    resolve_calibration_path,
+)
 
 KERNEL_BLOCK_MULTIPLE = 16  # vLLM block sizes we accept: multiples of 16 (CacheLayout needs 4)
 WAY_OUT = "serve this model with another --attention-backend"

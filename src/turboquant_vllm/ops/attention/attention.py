@@ -26,7 +26,14 @@ from ..rotation import merge_and_unrotate, rotate_queries
 from ..utils import INTERPRETED, check_cache, check_calibration, check_dtype, check_index, next_pow2, page_constants
 from .decode import _decode_kernel
 from .general import _attention_kernel
-from .launch import GENERAL_LAUNCH, attention_workspace_shape, decode_launch, decode_num_splits, num_sms, per_warp_decode
+from .launch import (
+    GENERAL_LAUNCH,
+    attention_workspace_shape,
+    decode_launch,
+    decode_num_splits,
+    num_sms,
+    per_warp_decode,
+)
 
 
 def paged_attention(

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ..utils import mma, pair_index
+from ..utils import pair_index
 
 
 @triton.jit

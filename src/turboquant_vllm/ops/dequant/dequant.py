@@ -20,8 +20,19 @@ import triton.language as tl
 from ...core.calibration import KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..utils import (INTERPRETED, check_cache, check_dtype, check_index, load_halves, locate_tokens, mma, next_pow2,
-                     page_constants, pair_index, round_to)
+from ..utils import (
+    INTERPRETED,
+    check_cache,
+    check_dtype,
+    check_index,
+    load_halves,
+    locate_tokens,
+    mma,
+    next_pow2,
+    page_constants,
+    pair_index,
+    round_to,
+)
 
 
 @triton.jit

@@ -17,8 +17,16 @@ from ...core.calibration import KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
 from ..rotation.rotation import rotate_rows
-from ..utils import (INTERPRETED, check_cache, check_calibration, check_dtype, check_index, codes_to_plane_bytes,
-                     page_constants, round_to)
+from ..utils import (
+    INTERPRETED,
+    check_cache,
+    check_calibration,
+    check_dtype,
+    check_index,
+    codes_to_plane_bytes,
+    page_constants,
+    round_to,
+)
 
 STORE_LARGE_BATCH = 1024  # tokens from which a store launch takes larger tiles (store_block_tokens)
 
