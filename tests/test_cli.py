@@ -1,10 +1,38 @@
+"""The command line as a user meets it: results, verdicts, and every bad input one line on stderr with exit 2."""
+
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import turboquant_vllm
+from turboquant_vllm import cli
 from turboquant_vllm.cli import main
+from turboquant_vllm.core.presets import PRESETS
 
+PACKAGE_DIR = Path(turboquant_vllm.__file__).resolve().parent
+
+
+def one_line_error(capsys, *needles: str) -> str:
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith("turboquant-vllm") and ": error: " in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+@pytest.fixture(autouse=True)
+def no_preset_in_the_environment(monkeypatch):
+    monkeypatch.delenv("TURBOQUANT_PRESET", raising=False)
+
+
+# --- verify -------------------------------------------------------------------------------------------------------
 
 def test_verify_json_schema_and_values(capsys):
     assert main(["verify", "--json", "--vectors", "4000"]) == 0
@@ -16,52 +44,208 @@ def test_verify_json_schema_and_values(capsys):
     by_name = {p["name"]: p for p in out["presets"]}
     assert by_name["tq4"]["bytes_per_token_per_head"] == 136 and by_name["tq3"]["bytes_per_token_per_head"] == 104
     assert all(set(p) >= {"name", "head_dim", "bytes_per_token_per_head"} for p in out["presets"])
+    assert out["package"]["ok"] and out["package"]["location"] == str(PACKAGE_DIR)
+    assert set(out["environment"]) == {"vllm", "vllm_supported", "gpu"}
 
 
-def test_verify_text(capsys):
+def test_verify_text_names_the_package_vllm_and_gpu(capsys):
     assert main(["verify", "--vectors", "2000", "--head-dim", "64"]) == 0
-    assert "verify: ok" in capsys.readouterr().out
-
-
-def test_demo_runs_the_kernels(capsys):
-    assert main(["demo", "--context", "70", "--preset", "tq3"]) == 0
     out = capsys.readouterr().out
-    assert "4.92x compression" in out and "relative error" in out
+    assert "verify: ok" in out and f"at {PACKAGE_DIR} (this project's)" in out
+    assert "vLLM: " in out and "GPU: " in out and "compute capability" in out
 
 
-def test_calibrate_rejects_unknown_preset_and_needs_text(capsys):
-    with pytest.raises(ValueError, match="tq4"):
-        main(["calibrate", "some/model", "--text", "a.txt", "--out", "k.safetensors", "--preset", "tq9"])
-    with pytest.raises(SystemExit):
-        main(["calibrate", "some/model", "--out", "k.safetensors"])
-    assert "--text" in capsys.readouterr().err
+def test_our_package_carries_its_mark_and_metadata():
+    assert cli.is_ours(PACKAGE_DIR)
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'description = "{cli.SUMMARY_PREFIX}' in text
+    assert f'= "{cli.ENTRY_POINT}"' in text
 
 
-def test_serve_rejects_unknown_preset():
-    with pytest.raises(ValueError, match="tq4"):
-        main(["serve", "some/model", "--preset", "tq9"])
+def write_foreign(root: Path, package: bool = True) -> Path:
+    """PyPI's other turboquant-vllm, as pip would lay it out: the same import name, another project's metadata."""
+    if package:
+        (root / "turboquant_vllm").mkdir(parents=True)
+        (root / "turboquant_vllm" / "__init__.py").write_text('__version__ = "1.5.0"\n')
+    info = root / "turboquant_vllm-1.5.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: turboquant-vllm\nVersion: 1.5.0\n"
+                                   "Summary: Another TurboQuant plugin for vLLM\nRequires-Python: >=3.12\n")
+    return root
 
 
-def test_bench_rejects_unknown_preset():
-    with pytest.raises(ValueError, match="tq4"):
-        main(["bench", "--presets", "tq4,tq9"])
+def test_verify_names_a_foreign_package_that_python_imports(tmp_path):
+    """A directory holding the other project's turboquant_vllm: `python -m vllm...` (serve) started there imports it."""
+    write_foreign(tmp_path)
+    # This project's CLI runs, as its console script would (the script's own directory first on sys.path), while
+    # `python` started in tmp_path imports the other package.
+    code = (f"import sys; sys.path.insert(0, {str(PACKAGE_DIR.parent)!r}); "
+            "from turboquant_vllm.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code, "verify", "--vectors", "500"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"the turboquant_vllm that `python` imports here is not this project's: {tmp_path.resolve()}" in proc.stderr
+    assert "PyPI's turboquant-vllm is a different project" in proc.stderr
+    assert "verify: FAILED (not this project's package" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_verify_names_a_foreign_package_on_pythonpath(tmp_path, monkeypatch):
+    write_foreign(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # what a fresh `python` sees first
+    ok, lines, record = cli.package_check()
+    assert not ok and record["imported"] == str((tmp_path / "turboquant_vllm").resolve())
+    assert any(f"not this project's: {(tmp_path / 'turboquant_vllm').resolve()}" in line for line in lines)
+
+
+def test_verify_names_a_foreign_distribution(tmp_path, monkeypatch):
+    """Only the other project's metadata ahead on the path: it is what pip and vLLM's entry points read."""
+    write_foreign(tmp_path, package=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ok, _, record = cli.package_check()
+    assert not ok and record["imported"] == str(PACKAGE_DIR)
+    (problem,) = record["problems"]
+    assert "the installed turboquant-vllm distribution is not this project's: version 1.5.0" in problem
+    assert "Another TurboQuant plugin for vLLM" in problem and "pip uninstall turboquant-vllm" in problem
+
+
+# --- demo ---------------------------------------------------------------------------------------------------------
+
+def test_demo_takes_the_preset_from_the_environment_and_ends_with_a_verdict(capsys, monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
+    assert main(["demo", "--context", "70"]) == 0
+    out = capsys.readouterr().out
+    assert "preset tq3" in out and "4.92x compression" in out and "relative error" in out
+    assert out.strip().splitlines()[-1].startswith("demo: ok (")
+
+
+def test_demo_verdict_fails_outside_either_bound():
+    assert cli.demo_verdict(1e-3, 0.09, 0.1, 4) == (
+        True, "demo: ok (attention error < 1e-02, key error < 0.1000 = 1.1 x the 4-bit Lloyd-Max optimum)")
+    for att_err, k_err in [(2e-2, 0.09), (1e-3, 0.11)]:
+        ok, line = cli.demo_verdict(att_err, k_err, 0.1, 4)
+        assert not ok and line.startswith("demo: FAILED (")
+    assert ">= 1e-02" in cli.demo_verdict(2e-2, 0.09, 0.1, 4)[1] and ">= 0.1000" in cli.demo_verdict(0, 0.2, 0.1, 4)[1]
+
+
+# --- usage errors: one line, exit 2 -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, needles", [
+    (["serve", "x", "--preset", "bogus"], ["argument --preset: unknown TurboQuant preset 'bogus'", "tq4, tq3"]),
+    (["demo", "--preset", "bogus"], ["unknown TurboQuant preset 'bogus'"]),
+    (["bench", "--presets", "tq4,bogus"], ["argument --presets: unknown TurboQuant preset 'bogus'"]),
+    (["calibrate", "org/m", "--text", "a.txt", "--out", "k.safetensors", "--preset", "tq9"], ["'tq9'"]),
+    (["demo", "--context", "0"], ["argument --context: expected a positive number, got '0'"]),
+    (["demo", "--head-dim", "100"], ["--head-dim 100: ", "multiple of 16 in [32, 256]"]),
+    (["demo", "--preset", "k5v4", "--head-dim", "64"], ["preset k5v4 needs head_dim >= 96"]),
+    (["verify", "--vectors", "many"], ["expected an integer, got 'many'"]),
+    (["verify", "--head-dim", "20"], ["--head-dim 20"]),
+    (["bench", "--head-dim", "100"], ["--head-dim 100"]),
+    (["bench", "--shapes", "64x"], ["expected BATCHxCONTEXT"]),
+    (["bench", "--shapes", "64x8192,0x10"], ["expected BATCHxCONTEXT"]),
+    (["bench", "--heads", "32"], ["expected QUERY_HEADS/KV_HEADS"]),
+    (["bench", "--heads", "32/5"], ["query heads must be a multiple of KV heads"]),
+    (["demo", "extra"], ["unrecognized arguments: extra"]),
+    (["calibrate", "org/m", "--out", "k.safetensors"], ["required: --text"]),
+    (["calibrate", "org/m", "--text", "a.txt", "--out", "k", "--gpu-memory-utilization", "2"], ["fraction"]),
+    ([], ["required: COMMAND"]),
+    (["frobnicate"], ["invalid choice: 'frobnicate'"]),
+])
+def test_bad_arguments_are_one_line_and_exit_2(argv, needles, capsys):
+    assert main(argv) == 2
+    one_line_error(capsys, *needles)
+
+
+@pytest.mark.parametrize("command", [["serve", "org/model"], ["demo"], ["bench"],
+                                     ["calibrate", "org/m", "--text", "a.txt", "--out", "k.safetensors"]])
+def test_an_unknown_preset_in_the_environment_is_refused(command, monkeypatch, capsys):
+    monkeypatch.setenv("TURBOQUANT_PRESET", "bogus")  # as the container image and its Quadlet unit set it
+    assert main(command) == 2
+    one_line_error(capsys, "TURBOQUANT_PRESET='bogus': unknown TurboQuant preset 'bogus'; choose one of tq4")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message for machines without a GPU")
 def test_bench_without_a_gpu_says_so(capsys):
     assert main(["bench"]) == 2
-    err = capsys.readouterr().err
-    assert "needs a CUDA GPU" in err and "turboquant-vllm demo" in err
+    one_line_error(capsys, "needs a CUDA GPU", "turboquant-vllm demo")
 
 
-def test_serve_takes_the_preset_from_the_environment(monkeypatch):
-    monkeypatch.setenv("TURBOQUANT_PRESET", "tq9")  # as the container image and its Quadlet unit set it
-    with pytest.raises(ValueError, match="tq4"):
-        main(["serve", "some/model"])
+@pytest.mark.parametrize("command", [["serve", "org/model"],
+                                     ["calibrate", "org/model", "--text", __file__, "--out", "k.safetensors"]])
+def test_serve_and_calibrate_without_vllm_say_what_to_install(command, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vllm fails as if it were not installed
+    assert main(command) == 2
+    one_line_error(capsys, "vLLM is not installed", 'pip install "vllm>=0.25,<0.26"', 'pip install ".[vllm]"')
 
 
-@pytest.mark.parametrize("args", [["--shapes", "64x"], ["--shapes", "64x8192,0x10"], ["--heads", "32"]])
-def test_bench_rejects_malformed_shapes_and_heads(args, capsys):
-    with pytest.raises(SystemExit):
-        main(["bench", *args])
-    assert "expected" in capsys.readouterr().err
+def test_serve_refuses_an_unsupported_vllm(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "installed_vllm", lambda: "0.24.1")
+    monkeypatch.delenv(cli.ALLOW_UNSUPPORTED_ENV, raising=False)
+    assert main(["serve", "org/model"]) == 2
+    one_line_error(capsys, "vLLM 0.24.1 is installed", ">=0.25,<0.26")
+
+
+def test_calibrate_checks_paths_before_starting_vllm(tmp_path, capsys):
+    text = tmp_path / "a.txt"
+    text.write_text("some text")
+    out = str(tmp_path / "k.safetensors")
+    assert main(["calibrate", str(tmp_path / "missing-model"), "--text", str(text), "--out", out]) == 2
+    one_line_error(capsys, "missing-model: no such file or directory", "hub id")
+    assert main(["calibrate", str(tmp_path), "--text", str(text), "--out", out]) == 2
+    one_line_error(capsys, "has no config.json")
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["calibrate", str(tmp_path), "--text", str(tmp_path / "b.txt"), "--out", out]) == 2
+    one_line_error(capsys, "--text ", "b.txt: no such file or directory")
+    assert main(["calibrate", str(tmp_path), "--text", str(text), "--out", str(tmp_path / "no" / "k")]) == 2
+    one_line_error(capsys, "does not exist")
+
+
+@pytest.mark.parametrize("model, is_path", [("Qwen/Qwen2.5-7B-Instruct", False), ("gpt2", False),
+                                            ("./model", True), ("/models/qwen", True), ("~/m", True),
+                                            ("models/org/name", True), ("model/", True)])
+def test_hub_ids_and_paths_are_told_apart(model, is_path):
+    assert cli.looks_like_path(model) == is_path
+
+
+def test_serve_runs_vllm_with_the_backend_the_preset_and_the_other_arguments(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli, "installed_vllm", lambda: "0.25.0")
+    monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: calls.append((cmd, env)))
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
+    main(["serve", "org/model", "--max-model-len", "4096", "--preset", "k4v3"])
+    (cmd, env), = calls
+    assert cmd[-6:] == ["serve", "org/model", "--attention-backend", "CUSTOM", "--max-model-len", "4096"]
+    assert env["TURBOQUANT_PRESET"] == "k4v3"  # --preset wins over the environment
+
+
+# --- version and help ---------------------------------------------------------------------------------------------
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"turboquant-vllm {turboquant_vllm.__version__}"
+
+
+def test_every_option_has_help_and_preset_options_list_the_presets(capsys):
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    assert set(subparsers) == {"verify", "demo", "bench", "serve", "calibrate"}
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+            if "preset" in action.dest:
+                assert all(p in action.help for p in PRESETS) and "TURBOQUANT_PRESET" in action.help
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    assert "Every other argument goes to vLLM" in " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_constants_agree_with_the_package():
+    from turboquant_vllm.vllm import compat, settings
+
+    assert cli.SUPPORTED_VLLM == compat.SUPPORTED_VLLM and cli.PRESET_ENV == settings.PRESET_ENV
+    assert cli.ALLOW_UNSUPPORTED_ENV == compat.ALLOW_UNSUPPORTED_ENV
+    assert cli.vllm_supported(compat.TESTED_VLLM) and not cli.vllm_supported("0.26.0")
+    backend = (PACKAGE_DIR / "vllm" / "backend.py").read_text()
+    major, minor = cli.MIN_COMPUTE_CAPABILITY
+    assert f"MIN_COMPUTE_CAPABILITY = {major}{minor}" in backend

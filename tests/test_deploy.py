@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from turboquant_vllm.core.presets import PRESETS
-from turboquant_vllm.vllm.compat import is_supported_vllm
+from turboquant_vllm.vllm.compat import SUPPORTED_VLLM, is_supported_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,18 +22,29 @@ def test_image_builds_on_a_supported_vllm_and_the_tested_one():
     assert tag == pinned, "the image should run the vLLM the tests pin"
 
 
+def test_vllm_extra_is_the_supported_range():
+    text = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r"^vllm = \[(.*)\]$", text, re.M).group(1)
+    assert extra == f'"vllm{SUPPORTED_VLLM}"'
+
+
 def test_image_copies_what_pip_install_needs_and_serves_through_the_cli():
     text = containerfile()
     for path in re.findall(r"^COPY (.+) /opt/turboquant-vllm/?\S*$", text, re.M):
         for part in path.split():
             assert (ROOT / part).exists(), part
     assert "pyproject.toml" in text and "COPY src " in text
-    assert "entry_points(group='vllm.general_plugins')" in text  # the build fails if vLLM would not see the plugin
+    # the build fails if vLLM would not see the plugin: the entry point the image checks is the package's
+    assert "entry_points(group='vllm.general_plugins')" in text
+    entry_point = re.search(r'^turboquant = "(\S+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert entry_point == "turboquant_vllm.plugins:register" and f"e.value == '{entry_point}'" in text
+    assert "turboquant-vllm verify" in text
     assert re.search(r'^ENTRYPOINT \["turboquant-vllm", "serve"\]$', text, re.M)
     preset = re.search(r"^ENV TURBOQUANT_PRESET=(\S+)$", text, re.M).group(1)
     assert preset in PRESETS
     ignored = (ROOT / ".containerignore").read_text().split()
-    assert ignored[0] == "*" and {"!pyproject.toml", "!README.md", "!src"} <= set(ignored)
+    assert ignored[0] == "*" and {"!pyproject.toml", "!README.md", "!LICENSE", "!src"} <= set(ignored)
+    assert re.search(r"^COPY .*\bLICENSE\b", text, re.M)  # pyproject's license-files: the build needs it
 
 
 def test_quadlet_runs_the_image_on_local_ports_with_a_known_preset():
