@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from turboquant_vllm.core.presets import PRESETS
-from turboquant_vllm.vllm.compat import SUPPORTED_VLLM, is_supported_vllm
+from turboquant_vllm.vllm.requirements import SUPPORTED_VLLM, is_supported_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 

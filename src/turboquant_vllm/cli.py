@@ -18,18 +18,12 @@ import sys
 from pathlib import Path
 
 from . import PROJECT_MARK, __version__
+from .vllm.requirements import ALLOW_UNSUPPORTED_ENV, MIN_COMPUTE_CAPABILITY, SUPPORTED_VLLM, is_supported_vllm
 
 DIST_NAME = "turboquant-vllm"
 # pyproject's description starts so; PyPI's "turboquant-vllm" (another project, same import name) says otherwise.
 SUMMARY_PREFIX = "TurboQuant-compressed KV cache for vLLM"
 ENTRY_POINT = "turboquant_vllm.plugins:register"  # our one vllm.general_plugins entry point
-PRESET_ENV = "TURBOQUANT_PRESET"  # = vllm.settings.PRESET_ENV (that module imports torch)
-DEFAULT_PRESET = "tq4"
-# The vLLM releases the plugin supports (= vllm.compat.SUPPORTED_VLLM, which imports vLLM) and the GPUs it serves on
-# (= vllm.backend.MIN_COMPUTE_CAPABILITY).
-SUPPORTED_VLLM, SUPPORTED_VLLM_MINOR = ">=0.25,<0.26", (0, 25)
-ALLOW_UNSUPPORTED_ENV = "TURBOQUANT_ALLOW_UNSUPPORTED_VLLM"
-MIN_COMPUTE_CAPABILITY = (8, 0)
 INSTALL_VLLM = f'pip install "vllm{SUPPORTED_VLLM}" (or, in this project\'s source tree, pip install ".[vllm]")'
 ATTENTION_TOLERANCE = 1e-2  # the kernels' bf16 tolerance against the float32 reference (tests/ops)
 KEY_ERROR_SLACK = 1.1  # demo: key error at most this times the Lloyd-Max optimum's sqrt(distortion)
@@ -103,6 +97,9 @@ def _int_pairs(sep: str, what: str):
 
 def resolve_preset(given: str | None) -> str:
     """--preset if given, else $TURBOQUANT_PRESET, else tq4; an unknown name in the environment is a usage error."""
+    from .core.presets import DEFAULT_PRESET
+    from .vllm.settings import PRESET_ENV
+
     if given:
         return given
     env = os.environ.get(PRESET_ENV, "").strip()
@@ -138,16 +135,11 @@ def installed_vllm() -> str | None:
         return "unknown"
 
 
-def vllm_supported(version: str) -> bool:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return bool(match) and (int(match[1]), int(match[2])) == SUPPORTED_VLLM_MINOR
-
-
 def require_vllm(command: str) -> None:
     version = installed_vllm()
     if version is None:
         raise UsageError(f"vLLM is not installed; {command} needs vLLM 0.25 ({SUPPORTED_VLLM}): {INSTALL_VLLM}")
-    if not vllm_supported(version) and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
+    if not is_supported_vllm(version) and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
         raise UsageError(f"vLLM {version} is installed; turboquant-vllm supports vLLM {SUPPORTED_VLLM}: "
                          f'pip install "vllm{SUPPORTED_VLLM}" ({ALLOW_UNSUPPORTED_ENV}=1 skips this check)')
 
@@ -247,22 +239,22 @@ def environment_report() -> tuple[list[str], dict]:
     version = installed_vllm()
     if version is None:
         vllm_line = f"vLLM: not installed (serve and calibrate need vLLM {SUPPORTED_VLLM}: {INSTALL_VLLM})"
-    elif vllm_supported(version):
+    elif is_supported_vllm(version):
         vllm_line = f"vLLM: {version} (supported: {SUPPORTED_VLLM})"
     else:
         vllm_line = f"vLLM: {version}, NOT supported (turboquant-vllm supports {SUPPORTED_VLLM})"
-    need = f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]}"
+    need = f"{MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10}"
     gpu = None
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         gpu = {"name": torch.cuda.get_device_name(), "compute_capability": f"{cap[0]}.{cap[1]}",
-               "supported": tuple(cap) >= MIN_COMPUTE_CAPABILITY}
+               "supported": cap[0] * 10 + cap[1] >= MIN_COMPUTE_CAPABILITY}
         gpu_line = (f"GPU: {gpu['name']}, compute capability {gpu['compute_capability']} "
                     f"({'supported' if gpu['supported'] else f'NOT supported: serving needs >= {need}'})")
     else:
         gpu_line = (f"GPU: none visible (demo runs the kernels in Triton's interpreter; serving needs an NVIDIA GPU "
                     f"of compute capability >= {need})")
-    return [vllm_line, gpu_line], {"vllm": version, "vllm_supported": bool(version and vllm_supported(version)),
+    return [vllm_line, gpu_line], {"vllm": version, "vllm_supported": bool(version and is_supported_vllm(version)),
                                    "gpu": gpu}
 
 
@@ -271,6 +263,8 @@ def environment_report() -> tuple[list[str], dict]:
 # ----------------------------------------------------------------------------------------------------------------
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from .core.presets import DEFAULT_PRESET
+
     check_head_dim(args.head_dim, [DEFAULT_PRESET])
     from .core.presets import PRESETS
     from .core.selftest import distortion_table
@@ -425,6 +419,8 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .vllm.settings import PRESET_ENV
+
     preset = resolve_preset(args.preset)
     check_model(args.model, need_config=True)
     for text in args.text:
@@ -448,6 +444,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 def build_parser() -> Parser:
+    from .core.presets import DEFAULT_PRESET
+    from .vllm.settings import PRESET_ENV
+
     names = ", ".join(preset_names())
     preset_help = f"KV-cache preset: {names} (default: ${PRESET_ENV}, else {DEFAULT_PRESET})"
     head_dim_help = "head dimension: a multiple of 16 in [32, 256] (5-bit keys: >= 96); default %(default)s"

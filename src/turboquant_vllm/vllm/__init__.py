@@ -7,23 +7,16 @@ process vLLM starts: the API server, the engine core and each worker. It only re
 and checks the preset; it imports neither the backend nor any CUDA state. vLLM imports the backend itself, once
 ``--attention-backend CUSTOM`` selects it (``TQ4AttentionBackend`` below resolves lazily, behind the version gate).
 
-Modules: settings (preset, calibration, environment, --additional-config), compat (the vLLM version gate and API
-surface), kv_spec (compressed KV-cache specs), backend, metadata (builder), impl, calibrate.
+Importing this package is cheap (no torch, no vLLM): the names below resolve on first use. Modules: requirements
+(the vLLM releases and GPUs supported, the version gate), settings (preset, calibration, environment,
+--additional-config), compat (vLLM's API surface, behind the gate), kv_spec (compressed KV-cache specs), backend,
+metadata (builder), impl, calibrate.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
-
-from .settings import (
-    CALIBRATION_CONFIG_KEY,
-    CALIBRATION_ENV,
-    PRESET_CONFIG_KEY,
-    PRESET_ENV,
-    logger,
-    resolve_calibration_path,
-    resolve_preset,
-)
 
 if TYPE_CHECKING:
     from .backend import TQ4AttentionBackend
@@ -51,6 +44,8 @@ def register() -> None:
     global _registered
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from .settings import logger, resolve_preset
+
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     if _registered:
         return
@@ -65,7 +60,13 @@ def register() -> None:
         logger.warning("turboquant-vllm: %s", exc)
 
 
+_SETTINGS = {"CALIBRATION_CONFIG_KEY", "CALIBRATION_ENV", "PRESET_CONFIG_KEY", "PRESET_ENV", "resolve_calibration_path",
+             "resolve_preset"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SETTINGS:
+        return getattr(importlib.import_module(".settings", __name__), name)
     if name == "TQ4AttentionBackend":
         from . import compat
 

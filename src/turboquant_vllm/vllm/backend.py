@@ -19,9 +19,8 @@ from .compat import AttentionBackend, MultipleOf
 from .impl import KERNEL_BLOCK_MULTIPLE, WAY_OUT, TQ4AttentionImpl
 from .kv_spec import config_problems
 from .metadata import TQ4MetadataBuilder
+from .requirements import MIN_COMPUTE_CAPABILITY
 from .settings import process_preset
-
-MIN_COMPUTE_CAPABILITY = 80  # bf16 tl.dot
 
 
 def _explain(reason: str, cfg: dict[str, Any]) -> str:

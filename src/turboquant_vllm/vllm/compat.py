@@ -2,9 +2,8 @@
 
 What is version-specific, and why it lives here:
 
-- The version gate. Importing this module outside the tested range raises
-  ``UnsupportedVLLMVersion`` (a RuntimeError, so vLLM's backend selector does not swallow it as
-  an ImportError) naming the range; ``TURBOQUANT_ALLOW_UNSUPPORTED_VLLM=1`` turns it into a warning.
+- The version gate (requirements.check_vllm_version). Importing this module outside the tested range raises
+  ``UnsupportedVLLMVersion`` naming the range; ``TURBOQUANT_ALLOW_UNSUPPORTED_VLLM=1`` turns it into a warning.
 - The base classes and helpers the backend builds on (re-exported below).
 - How the KV cache gets smaller: see kv_spec (it wraps vLLM 0.25's ``Attention.get_kv_cache_spec``).
 - ``cache_dtype_str``: the 0.25 V1 runner passes ``"auto"`` to ``get_kv_cache_shape`` for specs whose
@@ -15,57 +14,17 @@ What is version-specific, and why it lives here:
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import logging
-import os
 from typing import Any
 
-logger = logging.getLogger("vllm.turboquant_vllm")
-
-SUPPORTED_VLLM = ">=0.25,<0.26"
-TESTED_VLLM = "0.25.0"
-_LOWER, _UPPER = (0, 25), (0, 26)
-ALLOW_UNSUPPORTED_ENV = "TURBOQUANT_ALLOW_UNSUPPORTED_VLLM"
-
-
-class UnsupportedVLLMVersion(RuntimeError):
-    """vLLM outside the range this shim was written and tested against."""
-
-
-def installed_vllm_version() -> str:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        import vllm
-
-        return str(getattr(vllm, "__version__", "unknown"))
-
-
-def is_supported_vllm(version: str) -> bool:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        release = Version(version).release
-    except InvalidVersion:
-        return False
-    return _LOWER <= tuple(release[:2]) < _UPPER
-
-
-def check_vllm_version(version: str | None = None) -> str:
-    """Return the vLLM version, or raise UnsupportedVLLMVersion naming the supported range."""
-    version = version or installed_vllm_version()
-    if is_supported_vllm(version):
-        return version
-    message = (
-        f"turboquant-vllm supports vLLM {SUPPORTED_VLLM} (tested with {TESTED_VLLM}); found vLLM {version}. "
-        f"Install a supported vLLM (pip install 'vllm{SUPPORTED_VLLM}') or serve without "
-        f"--attention-backend CUSTOM. ({ALLOW_UNSUPPORTED_ENV}=1 skips this check, at your own risk.)"
-    )
-    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
-        logger.warning("%s", message)
-        return version
-    raise UnsupportedVLLMVersion(message)
-
+from .requirements import (
+    ALLOW_UNSUPPORTED_ENV,
+    SUPPORTED_VLLM,
+    TESTED_VLLM,
+    UnsupportedVLLMVersion,
+    check_vllm_version,
+    installed_vllm_version,
+    is_supported_vllm,
+)
 
 # The gate runs before any import of vLLM internals below.
 VLLM_VERSION = check_vllm_version()
@@ -93,6 +52,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 __all__ = [
     "ALLOW_UNSUPPORTED_ENV",
     "SUPPORTED_VLLM",
+    "TESTED_VLLM",
     "AttentionBackend",
     "AttentionCGSupport",
     "AttentionImpl",
@@ -105,6 +65,8 @@ __all__ = [
     "SlidingWindowSpec",
     "UnsupportedVLLMVersion",
     "check_vllm_version",
+    "installed_vllm_version",
+    "is_supported_vllm",
     "current_vllm_config",
     "flash_attn_varlen",
     "layer_name_of",

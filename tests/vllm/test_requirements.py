@@ -1,11 +1,11 @@
-"""vLLM outside the tested range: refused at startup with the range named."""
+"""The vLLM releases supported: vLLM outside the tested range is refused at startup with the range named."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.vllm.conftest import run_python
-from turboquant_vllm.vllm import compat
+from turboquant_vllm.vllm import requirements
 
 
 @pytest.mark.parametrize(
@@ -22,31 +22,31 @@ from turboquant_vllm.vllm import compat
     ],
 )
 def test_supported_range(version, ok):
-    assert compat.is_supported_vllm(version) is ok
+    assert requirements.is_supported_vllm(version) is ok
 
 
 def test_installed_vllm_is_supported():
-    assert compat.check_vllm_version() == compat.installed_vllm_version()
+    assert requirements.check_vllm_version() == requirements.installed_vllm_version()
 
 
 def test_unsupported_version_names_the_range():
-    with pytest.raises(compat.UnsupportedVLLMVersion) as err:
-        compat.check_vllm_version("0.28.0")
+    with pytest.raises(requirements.UnsupportedVLLMVersion) as err:
+        requirements.check_vllm_version("0.28.0")
     message = str(err.value)
     assert ">=0.25,<0.26" in message and "0.28.0" in message
     assert not isinstance(err.value, ImportError)  # vLLM's selector would swallow an ImportError
 
 
 def test_override_only_warns(monkeypatch):
-    monkeypatch.setenv(compat.ALLOW_UNSUPPORTED_ENV, "1")
-    assert compat.check_vllm_version("0.28.0") == "0.28.0"
+    monkeypatch.setenv(requirements.ALLOW_UNSUPPORTED_ENV, "1")
+    assert requirements.check_vllm_version("0.28.0") == "0.28.0"
 
 
 def test_backend_resolution_refuses_an_unsupported_vllm(monkeypatch):
     import turboquant_vllm.vllm as plugin
 
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.28.0")
-    with pytest.raises(compat.UnsupportedVLLMVersion, match=r">=0\.25,<0\.26"):
+    monkeypatch.setattr(requirements, "installed_vllm_version", lambda: "0.28.0")
+    with pytest.raises(requirements.UnsupportedVLLMVersion, match=r">=0\.25,<0\.26"):
         plugin.TQ4AttentionBackend  # noqa: B018 - what vLLM resolves for CUSTOM
 
 
