@@ -11,6 +11,8 @@ import torch
 
 import turboquant_vllm
 from turboquant_vllm import cli
+from turboquant_vllm.cli import arguments, commands, environment
+from turboquant_vllm.vllm import requirements
 from turboquant_vllm.cli import main
 from turboquant_vllm.core.presets import PRESETS
 
@@ -56,10 +58,10 @@ def test_verify_text_names_the_package_vllm_and_gpu(capsys):
 
 
 def test_our_package_carries_its_mark_and_metadata():
-    assert cli.is_ours(PACKAGE_DIR)
+    assert environment.is_ours(PACKAGE_DIR)
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert f'description = "{cli.SUMMARY_PREFIX}' in text
-    assert f'= "{cli.ENTRY_POINT}"' in text
+    assert f'description = "{environment.SUMMARY_PREFIX}' in text
+    assert f'= "{environment.ENTRY_POINT}"' in text
 
 
 def write_foreign(root: Path, package: bool = True) -> Path:
@@ -93,7 +95,7 @@ def test_verify_names_a_foreign_package_that_python_imports(tmp_path):
 def test_verify_names_a_foreign_package_on_pythonpath(tmp_path, monkeypatch):
     write_foreign(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # what a fresh `python` sees first
-    ok, lines, record = cli.package_check()
+    ok, lines, record = environment.package_check()
     assert not ok and record["imported"] == str((tmp_path / "turboquant_vllm").resolve())
     assert any(f"not this project's: {(tmp_path / 'turboquant_vllm').resolve()}" in line for line in lines)
 
@@ -102,7 +104,7 @@ def test_verify_names_a_foreign_distribution(tmp_path, monkeypatch):
     """Only the other project's metadata ahead on the path: it is what pip and vLLM's entry points read."""
     write_foreign(tmp_path, package=False)
     monkeypatch.syspath_prepend(str(tmp_path))
-    ok, _, record = cli.package_check()
+    ok, _, record = environment.package_check()
     assert not ok and record["imported"] == str(PACKAGE_DIR)
     (problem,) = record["problems"]
     assert "the installed turboquant-vllm distribution is not this project's: version 1.5.0" in problem
@@ -120,12 +122,12 @@ def test_demo_takes_the_preset_from_the_environment_and_ends_with_a_verdict(caps
 
 
 def test_demo_verdict_fails_outside_either_bound():
-    assert cli.demo_verdict(1e-3, 0.09, 0.1, 4) == (
+    assert commands.demo_verdict(1e-3, 0.09, 0.1, 4) == (
         True, "demo: ok (attention error < 1e-02, key error < 0.1000 = 1.1 x the 4-bit Lloyd-Max optimum)")
     for att_err, k_err in [(2e-2, 0.09), (1e-3, 0.11)]:
-        ok, line = cli.demo_verdict(att_err, k_err, 0.1, 4)
+        ok, line = commands.demo_verdict(att_err, k_err, 0.1, 4)
         assert not ok and line.startswith("demo: FAILED (")
-    assert ">= 1e-02" in cli.demo_verdict(2e-2, 0.09, 0.1, 4)[1] and ">= 0.1000" in cli.demo_verdict(0, 0.2, 0.1, 4)[1]
+    assert ">= 1e-02" in commands.demo_verdict(2e-2, 0.09, 0.1, 4)[1] and ">= 0.1000" in commands.demo_verdict(0, 0.2, 0.1, 4)[1]
 
 
 # --- usage errors: one line, exit 2 -------------------------------------------------------------------------------
@@ -179,8 +181,8 @@ def test_serve_and_calibrate_without_vllm_say_what_to_install(command, monkeypat
 
 
 def test_serve_refuses_an_unsupported_vllm(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "installed_vllm", lambda: "0.24.1")
-    monkeypatch.delenv(cli.ALLOW_UNSUPPORTED_ENV, raising=False)
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.24.1")
+    monkeypatch.delenv(requirements.ALLOW_UNSUPPORTED_ENV, raising=False)
     assert main(["serve", "org/model"]) == 2
     one_line_error(capsys, "vLLM 0.24.1 is installed", ">=0.25,<0.26")
 
@@ -204,12 +206,12 @@ def test_calibrate_checks_paths_before_starting_vllm(tmp_path, capsys):
                                             ("./model", True), ("/models/qwen", True), ("~/m", True),
                                             ("models/org/name", True), ("model/", True)])
 def test_hub_ids_and_paths_are_told_apart(model, is_path):
-    assert cli.looks_like_path(model) == is_path
+    assert arguments.looks_like_path(model) == is_path
 
 
 def test_serve_runs_vllm_with_the_backend_the_preset_and_the_other_arguments(monkeypatch):
     calls = []
-    monkeypatch.setattr(cli, "installed_vllm", lambda: "0.25.0")
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
     monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: calls.append((cmd, env)))
     monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
     main(["serve", "org/model", "--max-model-len", "4096", "--preset", "k4v3"])

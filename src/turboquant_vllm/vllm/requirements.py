@@ -7,6 +7,7 @@ vLLM internal; ``TURBOQUANT_ALLOW_UNSUPPORTED_VLLM=1`` turns the refusal into a 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import re
@@ -26,11 +27,16 @@ class UnsupportedVLLMVersion(RuntimeError):
 
 
 def installed_vllm_version() -> str | None:
-    """The installed vLLM's version, None without one; imports nothing."""
+    """The version of the vLLM Python would import here, None if none is importable; imports nothing."""
+    try:
+        if importlib.util.find_spec("vllm") is None:
+            return None
+    except (ImportError, ValueError):  # ValueError: sys.modules["vllm"] is None (imports of it are blocked)
+        return None
     try:
         return importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        return "unknown"
 
 
 def is_supported_vllm(version: str) -> bool:

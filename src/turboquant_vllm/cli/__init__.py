@@ -1,0 +1,110 @@
+"""turboquant-vllm: verify the math, demo and bench the kernels, serve a model with the compressed KV cache.
+
+Every option that takes a preset defaults to $TURBOQUANT_PRESET, else tq4. A usage error is one line on stderr and
+exit status 2; a failed check (verify, demo) exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from ..vllm.requirements import SUPPORTED_VLLM
+from .arguments import Parser, UsageError, _fraction, _int_pairs, _positive, _preset, _presets, preset_names
+from .commands import cmd_bench, cmd_calibrate, cmd_demo, cmd_serve, cmd_verify
+
+
+def build_parser() -> Parser:
+    from ..core.presets import DEFAULT_PRESET
+    from ..vllm.settings import PRESET_ENV
+
+    names = ", ".join(preset_names())
+    preset_help = f"KV-cache preset: {names} (default: ${PRESET_ENV}, else {DEFAULT_PRESET})"
+    head_dim_help = "head dimension: a multiple of 16 in [32, 256] (5-bit keys: >= 96); default %(default)s"
+    ap = Parser(prog="turboquant-vllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"turboquant-vllm {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    v = sub.add_parser("verify", help="check the install (package, vLLM, GPU) and the quantizer's distortion",
+                       description="Check that the turboquant_vllm Python imports is this project's (PyPI's "
+                       "turboquant-vllm is another project), report vLLM and the GPU, measure the quantizer's "
+                       "distortion against the Lloyd-Max optimum and list the presets' bytes. Exit 1 on a failed "
+                       "check. Needs neither vLLM nor a GPU.")
+    v.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    v.add_argument("--head-dim", type=_positive(int), default=128, help=head_dim_help)
+    v.add_argument("--vectors", type=_positive(int), default=20000,
+                   help="random unit vectors per bit width (default %(default)s)")
+
+    d = sub.add_parser("demo", help="run the store and attention kernels once; report compression, error, verdict",
+                       description="Store random keys and values into a compressed paged cache with the Triton "
+                       "kernels, run decode attention over it and compare with the float32 reference. On a CPU the "
+                       "kernels run through Triton's interpreter. Ends with 'demo: ok' or 'demo: FAILED' (exit 1).")
+    d.add_argument("--preset", type=_preset, help=preset_help)
+    d.add_argument("--head-dim", type=_positive(int), default=128, help=head_dim_help)
+    d.add_argument("--context", type=_positive(int), default=200,
+                   help="tokens of the longer of the two sequences (default %(default)s)")
+
+    b = sub.add_parser("bench", help="time decode attention on this GPU: presets vs FlashAttention-3 bf16 / fp8",
+                       description="Time decode attention (CUDA-graph replay) over the compressed cache against "
+                       "FlashAttention-3 on bf16 and fp8 caches. Needs a CUDA GPU.")
+    b.add_argument("--presets", type=_presets, help=f"comma-separated presets of {names} "
+                   f"(default: ${PRESET_ENV}, else {DEFAULT_PRESET})")
+    b.add_argument("--shapes", type=_int_pairs("x", "BATCHxCONTEXT[,BATCHxCONTEXT...], e.g. 64x8192"),
+                   default="64x8192,32x32768",
+                   help="BATCHxCONTEXT,... one query token per sequence (default %(default)s)")
+    b.add_argument("--heads", type=_int_pairs("/", "QUERY_HEADS/KV_HEADS, e.g. 32/8"), default="32/8",
+                   help="QUERY_HEADS/KV_HEADS (default %(default)s)")
+    b.add_argument("--head-dim", type=_positive(int), default=128, help=head_dim_help)
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+    s = sub.add_parser("serve", help="vllm serve MODEL --attention-backend CUSTOM with a preset",
+                       usage="turboquant-vllm serve [-h] [--preset PRESET] MODEL [VLLM_ARGS...]", allow_abbrev=False,
+                       description="Run `vllm serve MODEL --attention-backend CUSTOM` with the preset set. Every "
+                       "other argument goes to vLLM unchanged (see `vllm serve --help`), e.g. "
+                       "turboquant-vllm serve Qwen/Qwen2.5-7B-Instruct --preset tq3 --max-model-len 32768. "
+                       f"Needs vLLM {SUPPORTED_VLLM} and an NVIDIA GPU of compute capability >= 8.0.")
+    s.add_argument("model", metavar="MODEL", help="Hugging Face hub id (ORG/NAME) or local model directory")
+    s.add_argument("--preset", type=_preset, help=preset_help)
+
+    c = sub.add_parser("calibrate", help="fit a key calibration (mean and scale per layer and KV head) on text",
+                       description="Run MODEL over text with the compressed cache and fit a key calibration (mean "
+                       "and scale per layer and KV head), written as .safetensors; serve with "
+                       f"TURBOQUANT_KEY_CALIBRATION=FILE. Needs vLLM {SUPPORTED_VLLM} and a GPU.")
+    c.add_argument("model", metavar="MODEL", help="Hugging Face hub id (ORG/NAME) or local model directory")
+    c.add_argument("--text", nargs="+", required=True, help="text files, or directories of *.txt")
+    c.add_argument("--out", required=True, help="the .safetensors file to write")
+    c.add_argument("--tokens", type=_positive(int), default=262_144,
+                   help="calibration tokens at most (default %(default)s)")
+    c.add_argument("--window", type=_positive(int), default=2048, help="tokens per prompt (default %(default)s)")
+    c.add_argument("--preset", type=_preset, help=preset_help + "; the cache the calibration run stores into")
+    c.add_argument("--gpu-memory-utilization", type=_fraction, default=0.5,
+                   help="fraction of GPU memory vLLM may take (default %(default)s)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--version"]:  # without the parser, which imports torch (the preset names)
+        print(f"turboquant-vllm {__version__}")
+        return 0
+    ap = build_parser()
+    try:
+        args, extra = ap.parse_known_args(argv)
+        prog = f"{ap.prog} {args.command}"
+        if args.command != "serve" and extra:
+            raise UsageError(f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)")
+        try:
+            if args.command == "serve":
+                return cmd_serve(args, extra)
+            return {"verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench,
+                    "calibrate": cmd_calibrate}[args.command](args)
+        except UsageError as exc:
+            raise UsageError(f"{prog}: error: {exc}") from None
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
