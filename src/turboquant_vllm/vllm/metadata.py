@@ -101,7 +101,6 @@ class TQ4Metadata(AttentionMetadata):
     prefill_max_seq_len: int = 0
 
 
-
 class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
     # Uniform batches (all decodes, or all speculative verifications of one length) may be
     # captured whole; mixed batches run attention eagerly between piecewise graphs.
