@@ -46,18 +46,10 @@ def compiled(kernel) -> int:
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("preset,head_dim,dtype", [("tq4", 128, torch.bfloat16), ("k4v3", 64, torch.float16)])
-def test_serving_shapes_compile_nothing_after_warm_up(preset, head_dim, dtype):
-    """After warm_up, launches as vLLM makes them (keys as views of a fused qkv projection, a block table as wide
-    as max_model_len asks, batches of other sizes, a decode batch) reuse its binaries."""
-    kv_heads, q_heads, block = 4, 16, 16
-    layout = CacheLayout(get_preset(preset), head_dim, kv_heads, block)
-    device = torch.device("cuda")
-    warm_up(layout, dtype, q_heads, device, decode_splits={decode_num_splits(b, layout) for b in range(1, 65)})
-    kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel)
-    before = [compiled(k) for k in kernels]
-
+def serving_launches(layout: CacheLayout, dtype: torch.dtype, q_heads: int, device: torch.device) -> None:
+    """Launches as vLLM makes them (keys as views of a fused qkv projection, a block table as wide as max_model_len
+    asks, batches of other sizes, a decode batch)."""
+    head_dim, kv_heads, block = layout.head_dim, layout.num_kv_heads, layout.block_size
     tokens, width = 2 * STORE_LARGE_BATCH + 5, 45  # the block table of a 720-token max_model_len: not 16-aligned
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
     q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
@@ -85,4 +77,22 @@ def test_serving_shapes_compile_nothing_after_warm_up(preset, head_dim, dtype):
                     max_query_len=1, scale=head_dim**-0.5, out=decode_out, rotated_query=rotated)  # as vLLM steps
     torch.cuda.synchronize()
     assert not out.isnan().any() and not decode_out.isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("presets,head_dim,dtype", [
+    (("tq4",), 128, torch.bfloat16), (("k4v3",), 64, torch.float16),
+    (("tq4", "k4v3", "k5v4"), 128, torch.bfloat16),  # a model with per-layer presets: each preset warmed once
+])
+def test_serving_shapes_compile_nothing_after_warm_up(presets, head_dim, dtype):
+    """After warm_up of each preset's layout, serving-shaped launches of every preset reuse its binaries."""
+    kv_heads, q_heads, block = 4, 16, 16
+    layouts = [CacheLayout(get_preset(p), head_dim, kv_heads, block) for p in presets]
+    device = torch.device("cuda")
+    for layout in layouts:
+        warm_up(layout, dtype, q_heads, device, decode_splits={decode_num_splits(b, layout) for b in range(1, 65)})
+    kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel)
+    before = [compiled(k) for k in kernels]
+    for layout in layouts:
+        serving_launches(layout, dtype, q_heads, device)
     assert [compiled(k) for k in kernels] == before, "a serving-shaped launch compiled a new kernel"

@@ -25,6 +25,7 @@ def clean_preset_state(monkeypatch):
     from turboquant_vllm.vllm import settings
 
     monkeypatch.delenv(PRESET_ENV, raising=False)
+    monkeypatch.delenv("TURBOQUANT_LAYER_PRESETS", raising=False)
     monkeypatch.delenv("TURBOQUANT_ALLOW_UNSUPPORTED_VLLM", raising=False)
     monkeypatch.delenv("TURBOQUANT_KEY_CALIBRATION", raising=False)
     monkeypatch.delenv("TURBOQUANT_COLLECT_KEY_STATISTICS", raising=False)

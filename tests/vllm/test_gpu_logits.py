@@ -67,7 +67,7 @@ print("RESULT " + json.dumps(dict(runs=runs, preemptions=preemptions)), flush=Tr
 """
 
 
-def make_model(path: Path, head_dim: int, q_heads: int, kv_heads: int, dtype: str) -> dict:
+def make_model(path: Path, head_dim: int, q_heads: int, kv_heads: int, dtype: str, layers: int = LAYERS) -> dict:
     from safetensors.torch import save_file
 
     hidden, inter = q_heads * head_dim, 2 * q_heads * head_dim
@@ -75,7 +75,7 @@ def make_model(path: Path, head_dim: int, q_heads: int, kv_heads: int, dtype: st
     w = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(getattr(torch, dtype))  # noqa: E731
     tensors = {"model.embed_tokens.weight": w(VOCAB, hidden) * hidden**0.5, "model.norm.weight": w(hidden) ** 0,
                "lm_head.weight": w(VOCAB, hidden)}
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}."
         tensors.update({
             p + "self_attn.q_proj.weight": w(q_heads * head_dim, hidden) * 2,  # peaky attention: sensitive to K
@@ -89,15 +89,16 @@ def make_model(path: Path, head_dim: int, q_heads: int, kv_heads: int, dtype: st
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden, intermediate_size=inter,
-                  num_hidden_layers=LAYERS, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
+                  num_hidden_layers=layers, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
                   head_dim=head_dim, vocab_size=VOCAB, max_position_embeddings=1024, rms_norm_eps=1e-5,
                   rope_theta=10000.0, torch_dtype=dtype, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     (path / "config.json").write_text(json.dumps(config))
     return {k: v.cuda() for k, v in tensors.items()} | {"config": config}
 
 
-def reference_logprobs(weights: dict, tokens: list[int], preset: str | None) -> torch.Tensor:
-    """log p(tokens[t+1] | tokens[:t+1]) for every t, plain PyTorch, K/V through core's quantizer."""
+def reference_logprobs(weights: dict, tokens: list[int], preset: str | None | list[str | None]) -> torch.Tensor:
+    """log p(tokens[t+1] | tokens[:t+1]) for every t, plain PyTorch, K/V through core's quantizer (preset: one for
+    every layer or one per layer; None: unquantized)."""
     from turboquant_vllm.core.presets import get_preset
     from turboquant_vllm.core.quantizer import Quantizer
 
@@ -113,14 +114,15 @@ def reference_logprobs(weights: dict, tokens: list[int], preset: str | None) -> 
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
     rope = lambda t: t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin  # noqa: E731
     norm = lambda t, g: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]) * g  # noqa: E731
-    for i in range(LAYERS):
+    presets = preset if isinstance(preset, list) else [preset] * cfg["num_hidden_layers"]
+    for i, layer_preset in enumerate(presets):
         p = f"model.layers.{i}."
         h = norm(x, weights[p + "input_layernorm.weight"].float())
         q = rope(lin(h, p + "self_attn.q_proj.weight").view(n, hq, d))
         k = rope(lin(h, p + "self_attn.k_proj.weight").view(n, hk, d))
         v = lin(h, p + "self_attn.v_proj.weight").view(n, hk, d)
-        if preset:
-            kq, vq = Quantizer(get_preset(preset).k_bits, d), Quantizer(get_preset(preset).v_bits, d)
+        if layer_preset:
+            kq, vq = Quantizer(get_preset(layer_preset).k_bits, d), Quantizer(get_preset(layer_preset).v_bits, d)
             k, v = kq.dequantize(*kq.quantize(k)), vq.dequantize(*vq.quantize(v))
         k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
         s = torch.einsum("qhd,khd->hqk", q, k) / d**0.5

@@ -101,7 +101,7 @@ def test_sliding_window_layers(vllm_config, hybrid_manager_disabled):
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = hybrid_manager_disabled
     vllm_spec = SlidingWindowSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                                   sliding_window=4096)
-    spec = kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, vllm_spec)
+    spec = kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, vllm_spec, get_preset("tq4"))
     expected = TurboQuantFullAttentionSpec if hybrid_manager_disabled else TurboQuantSlidingWindowSpec
     assert type(spec) is expected
     assert spec.sliding_window == 4096
@@ -112,7 +112,7 @@ def test_unsupported_layer_variants_are_refused(vllm_config):
     chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                                         attention_chunk_size=8192)
     with pytest.raises(ValueError, match="attention variant.*--attention-backend"):
-        kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, chunked)
+        kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, chunked, get_preset("tq4"))
     with pytest.raises(ValueError, match="not a TurboQuant spec"):
         kv_spec.check_builder_spec(chunked, ["model.layers.0.self_attn.attn"])
 
@@ -120,7 +120,7 @@ def test_unsupported_layer_variants_are_refused(vllm_config):
 def test_different_value_head_size_is_refused(vllm_config):
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=192, head_size_v=128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="value head size"):
-        kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, spec)
+        kv_spec.turboquant_kv_cache_spec(sliding_layer(), vllm_config, spec, get_preset("tq4"))
 
 
 def test_spec_survives_vllm_transformations():
@@ -136,8 +136,12 @@ def test_spec_survives_vllm_transformations():
     bigger = spec.copy_with_new_block_size(32)
     assert type(bigger) is TurboQuantFullAttentionSpec and bigger.page_size_bytes == 2 * spec.page_size_bytes
     assert replace(spec, indexes_kv_by_block_stride=False) == spec
-    with pytest.raises(ValueError, match="different TurboQuant presets"):
+    # vLLM's is_kv_cache_spec_uniform catches AssertionError only: layers of several presets are then grouped
+    # as UniformTypeKVCacheSpecs (test_kv_config_of_mixed_presets_is_exact)
+    with pytest.raises(AssertionError, match="different TurboQuant presets"):
         TurboQuantFullAttentionSpec.merge([spec, tq_spec("tq4")])
+    with pytest.raises(AssertionError):
+        TurboQuantFullAttentionSpec.merge([spec, bf16_spec()])
 
 
 def layer_names(n):

@@ -7,7 +7,9 @@ graphs, the decode kernel of each split count. Each was a Triton JIT compile ins
 the first prefill step of a fresh engine, 1.4 s in the first step whose prompt chunk had a cached
 context. A launch of each on a scratch cache compiles the same binaries:
 their compile keys hold the layout, dtypes and launch constants, while batch sizes and the block
-table's width are not specialized.
+table's width are not specialized. The layout holds the preset: a model with per-layer presets warms up once per
+preset its layers use (vllm/impl.py, each layer with its own layout); its bf16 layers run vLLM's FlashAttention,
+compiled ahead of time.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ supports, so that vLLM refuses everything else at startup with a message naming 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -20,7 +21,7 @@ from .impl import KERNEL_BLOCK_MULTIPLE, WAY_OUT, TQ4AttentionImpl
 from .kv_spec import config_problems
 from .metadata import TQ4MetadataBuilder
 from .requirements import MIN_COMPUTE_CAPABILITY
-from .settings import process_preset
+from .settings import num_model_layers, process_preset, resolve_layer_presets
 
 
 def _explain(reason: str, cfg: dict[str, Any]) -> str:
@@ -69,9 +70,14 @@ def _explain(reason: str, cfg: dict[str, Any]) -> str:
 
 
 class TQ4AttentionBackend(AttentionBackend):
-    """TurboQuant KV cache (preset from TURBOQUANT_PRESET / --additional-config, tq4 by default)."""
+    """TurboQuant KV cache (preset from TURBOQUANT_PRESET / --additional-config, tq4 by default).
+
+    vLLM's selector gives every layer this class; once the model is built, kv_spec.bind_layer_presets gives each
+    layer the subclass for its own preset (for_preset), whose get_kv_cache_shape lays out that preset's pages.
+    """
 
     turboquant_backend: ClassVar[bool] = True  # how compat's spec hook recognizes our layers
+    preset_name: ClassVar[str | None] = None  # the preset of the layers a for_preset subclass serves
     # forward stores the step's keys/values itself: in a batch of decodes the same launch rotates their queries
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
@@ -96,17 +102,25 @@ class TQ4AttentionBackend(AttentionBackend):
         return [MultipleOf(KERNEL_BLOCK_MULTIPLE)]
 
     @staticmethod
+    def for_preset(name: str) -> type[TQ4AttentionBackend]:
+        """This backend for the layers of one preset: vLLM reshapes each layer's cache with its layer's backend."""
+        return _preset_backend(name)
+
+    @classmethod
     def get_kv_cache_shape(
+        cls,
         num_blocks: int,
         block_size: int,
         num_kv_heads: int,
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        # cache_dtype_str is "auto" for our specs: the layout comes from the process's preset.
+        # cache_dtype_str is "auto" for our specs: the layout comes from the preset of the layers this class serves,
+        # else (layers not bound yet) from the process's preset.
         if block_size % KERNEL_BLOCK_MULTIPLE:
             raise ValueError(f"TurboQuant block size must be a multiple of {KERNEL_BLOCK_MULTIPLE}, got {block_size}")
-        return cache_layout(process_preset(), head_size, num_kv_heads, block_size).cache_shape(num_blocks)
+        preset = get_preset(cls.preset_name) if cls.preset_name else process_preset()
+        return cache_layout(preset, head_size, num_kv_heads, block_size).cache_shape(num_blocks)
 
     # get_kv_cache_stride_order stays unimplemented: the physical layout is the logical shape,
     # blocks first, and nothing is permuted.
@@ -144,9 +158,12 @@ class TQ4AttentionBackend(AttentionBackend):
         reasons += config_problems(vllm_config)
         try:
             preset = process_preset(vllm_config)
+            layer_presets = resolve_layer_presets(vllm_config)
             head_size = kwargs.get("head_size")
             if head_size is not None and cls.supports_head_size(head_size):
                 cache_layout(preset, head_size, 1, KERNEL_BLOCK_MULTIPLE)  # the preset's own head-size limits
+                if layer_presets is not None:
+                    layer_presets.check(head_size, num_model_layers(vllm_config))
         except ValueError as exc:
             reasons.append(str(exc))
         return reasons
@@ -156,3 +173,9 @@ class TQ4AttentionBackend(AttentionBackend):
         return False
 
 
+@functools.cache
+def _preset_backend(name: str) -> type[TQ4AttentionBackend]:
+    # One class per preset: the runners group layers by backend class name and spec.
+    cls_name = f"TQ4AttentionBackend_{name}"
+    return type(cls_name, (TQ4AttentionBackend,), {"preset_name": name, "__module__": __name__,
+                                                    "__qualname__": cls_name})

@@ -4,8 +4,11 @@
   launch rotates their queries into the cache's basis (vLLM calls no separate do_kv_cache_update).
 - Attention: decodes run the decode kernel, the rest the general kernel or, for long prefills, FlashAttention over
   the context expanded into the model's basis (dense_prefill_attention); all read the same pages.
-- Warm-up: once the weights are loaded, the kernels of this layer's shapes are compiled (ops.warmup), so that no
-  request waits for a Triton compile.
+- Per-layer presets: the impl starts with the process's preset; once the model is built (weights loaded) each layer
+  gets its own (kv_spec.bind_layer_presets): a TurboQuant preset (bind_preset), or bf16, whose layer vLLM's
+  FlashAttention then serves (served_by).
+- Warm-up: once the weights are loaded, the kernels of this layer's shapes and preset are compiled (ops.warmup), so
+  that no request waits for a Triton compile.
 - Key calibration (optional, core.calibration): each layer takes its mean and scale from the file once its
   weights are loaded, sliced to its tensor-parallel rank's KV heads.
 """
@@ -20,13 +23,14 @@ import torch
 
 from ..core.calibration import KeyCalibration, KeyStatistics
 from ..core.layout import CacheLayout, cache_layout, layout_of_cache
+from ..core.presets import Preset
 from ..ops import dequantize_pages, paged_attention, store_kv, warm_up
 from ..ops.attention import decode_num_splits, num_sms
 from ..ops.constants import kernel_constants
 from ..ops.utils import check_cache
 from . import compat
 from .compat import AttentionImpl, AttentionType
-from .kv_spec import install_kv_cache_spec_hook
+from .kv_spec import bind_layer_presets, install_kv_cache_spec_hook
 from .metadata import TQ4Metadata, reserve_workspace
 from .settings import (
     CALIBRATION_ENV,
@@ -36,9 +40,11 @@ from .settings import (
     key_statistics,
     layer_calibration,
     logger,
+    num_model_layers,
     process_preset,
     read_calibration,
     resolve_calibration_path,
+    resolve_layer_presets,
 )
 
 KERNEL_BLOCK_MULTIPLE = 16  # vLLM block sizes we accept: multiples of 16 (CacheLayout needs 4)
@@ -101,17 +107,21 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
         vllm_config = compat.current_vllm_config()
-        self.preset = process_preset(vllm_config)
+        self.preset = process_preset(vllm_config)  # until bind_preset gives the layer its own
+        layer_presets = resolve_layer_presets(vllm_config)
         cache_config = getattr(vllm_config, "cache_config", None)
         block_size = getattr(cache_config, "block_size", None) or KERNEL_BLOCK_MULTIPLE
         # Names the constraint if the head size or block size cannot be served.
         self.layout = cache_layout(self.preset, head_size, self.num_kv_heads, block_size)
-        if first_time("preset", self.preset.name, head_size):
+        if layer_presets is not None:  # fails now, before the weights load; the per-layer line comes once bound
+            layer_presets.check(head_size, num_model_layers(vllm_config))
+        elif first_time("preset", self.preset.name, head_size):
             logger.info("%s", describe_preset(self.preset, head_size))
         install_kv_cache_spec_hook()
         # Reserved here, during model construction, so vLLM's memory profile counts the scratch
-        # before it sizes the KV cache; every later layer finds it big enough.
-        reserve_workspace(vllm_config, num_heads, self.layout)
+        # before it sizes the KV cache, for any preset this layer may get; every later layer finds it big enough.
+        for preset in {self.preset, *(layer_presets.turboquant_presets() if layer_presets else ())}:
+            reserve_workspace(vllm_config, num_heads, cache_layout(preset, head_size, self.num_kv_heads, block_size))
         self.vllm_config = vllm_config
         self.collect_statistics = os.environ.get(COLLECT_ENV) == "1"
         self.calibration_path = resolve_calibration_path(vllm_config)
@@ -125,8 +135,18 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         self.layer_name: str | None = None
         self.key_calibration: KeyCalibration | None = None  # set once the layer is known (weights loaded)
         self._bound: tuple[torch.Size, CacheLayout] | None = None  # (shape, layout) of the cache last bound
+        self.served_by: AttentionImpl | None = None  # vLLM's FlashAttention impl, once the layer is bf16
+
+    def bind_preset(self, preset: Preset) -> None:
+        """This layer's own preset (kv_spec.bind_layer_presets): its pages, kernels and warm-up."""
+        self.preset = preset
+        self.layout = cache_layout(preset, self.head_size, self.num_kv_heads, self.layout.block_size)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        bind_layer_presets(self.vllm_config)  # every layer is built now: each gets its preset
+        if self.served_by is not None:  # a bf16 layer: vLLM's FlashAttention serves it, nothing of ours runs
+            self.served_by.process_weights_after_loading(act_dtype)
+            return
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         if self.calibration_path or self.collect_statistics:
             # Every layer is registered by now, so the forward context names this one.

@@ -1,12 +1,28 @@
-"""KV-cache specs whose page is the compressed page, and the configurations TurboQuant refuses.
+"""KV-cache specs whose page is the compressed page, per-layer presets, and the configurations TurboQuant refuses.
 
 vLLM 0.25 sizes a layer's pages from the layer's KV-cache spec (``Attention.get_kv_cache_spec``), never from the
 backend. install_kv_cache_spec_hook wraps that method: for layers whose backend is ours it returns
 ``TurboQuantFullAttentionSpec`` / ``TurboQuantSlidingWindowSpec``, whose ``page_size_bytes`` is the compressed page
-(``CacheLayout.page_bytes``), with ``dtype=torch.uint8`` so that the runners' ``raw_int8.view(spec.dtype).view(shape)``
-gives the byte tensor ``get_kv_cache_shape`` describes. Both subclasses resolve to vLLM's full-attention /
-sliding-window managers through the spec registry's MRO walk, so nothing needs registering. Other backends' layers
-are untouched.
+(``CacheLayout.page_bytes``) of the layer's preset, with ``dtype=torch.uint8`` so that the runners'
+``raw_int8.view(spec.dtype).view(shape)`` gives the byte tensor ``get_kv_cache_shape`` describes. Both subclasses
+resolve to vLLM's full-attention / sliding-window managers through the spec registry's MRO walk, so nothing needs
+registering. Other backends' layers are untouched.
+
+Per-layer presets (settings.LayerPresets; bind_layer_presets gives each layer its own once the model is built):
+- Memory is exact. Layers of different presets have different specs, whose merge fails, so vLLM's
+  ``kv_cache_utils.get_kv_cache_groups`` finds the specs not uniform and, all being full attention (or all sliding
+  window of one size), puts every layer in one group of per-layer specs, ``UniformTypeKVCacheSpecs``: one block table,
+  and a block costs the sum of the layers' pages. ``get_kv_cache_config_from_groups`` then makes
+  ``num_blocks = available_memory // sum(pages)`` and gives each layer its own tensor of ``num_blocks`` x its page:
+  no layer is padded to another's page. The runners split the group into attention groups by (backend, per-layer
+  spec), so each gets a metadata builder over its own spec and reshapes its tensor with its own backend.
+- bf16 layers become vLLM FlashAttention layers (its metadata builder, impl, kernels, cache layout and vLLM's own
+  KV-cache spec, in the model's dtype): one group may mix backends, so those layers run what --attention-backend
+  FLASH_ATTN runs, with nothing of ours to keep in step (no second paged layout, store or attention path, no key
+  calibration, nothing to warm up: vLLM's FlashAttention is compiled ahead of time). One change: they store the
+  step's keys/values inside forward, as our layers do (flash_attention_backend).
+- A model mixing sliding-window and full attention layers keeps them in separate groups of one page size under
+  vLLM's hybrid manager; different presets there need --disable-hybrid-kv-cache-manager (refused otherwise).
 """
 
 from __future__ import annotations
@@ -18,9 +34,18 @@ from typing import Any
 import torch
 
 from ..core.layout import CacheLayout, cache_layout
-from ..core.presets import get_preset
+from ..core.presets import Preset, get_preset
+from . import compat
 from .compat import FullAttentionSpec, SlidingWindowSpec
-from .settings import resolve_preset
+from .settings import (
+    BF16,
+    LAYER_PRESETS_ENV,
+    LayerPresets,
+    describe_layer_presets,
+    logger,
+    process_preset,
+    resolve_layer_presets,
+)
 
 
 class _TurboQuantPage:
@@ -50,10 +75,13 @@ class TurboQuantFullAttentionSpec(_TurboQuantPage, FullAttentionSpec):
 
     @classmethod
     def merge(cls, specs: list["TurboQuantFullAttentionSpec"]) -> "TurboQuantFullAttentionSpec":
-        presets = {spec.turboquant_preset for spec in specs}
+        merged = super().merge(specs)  # asserts the fields vLLM knows agree (bf16 layers: the dtype differs)
+        presets = {getattr(spec, "turboquant_preset", None) for spec in specs}
         if len(presets) != 1:
-            raise ValueError(f"layers of one KV-cache group use different TurboQuant presets: {sorted(presets)}")
-        return dataclasses.replace(super().merge(specs), turboquant_preset=presets.pop())
+            # An AssertionError as vLLM's merges raise: is_kv_cache_spec_uniform catches only that, and vLLM then
+            # groups the layers as UniformTypeKVCacheSpecs, each with its own page.
+            raise AssertionError(f"layers use different TurboQuant presets: {sorted(map(str, presets))}")
+        return dataclasses.replace(merged, turboquant_preset=presets.pop())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,8 +140,8 @@ def is_turboquant_backend(backend: Any) -> bool:
     return bool(getattr(backend, "turboquant_backend", False))
 
 
-def turboquant_kv_cache_spec(layer: Any, vllm_config: Any, spec: Any) -> Any:
-    """Translate the spec vLLM chose for ``layer`` into the same spec over compressed pages."""
+def turboquant_kv_cache_spec(layer: Any, vllm_config: Any, spec: Any, preset: Preset) -> Any:
+    """Translate the spec vLLM chose for ``layer`` into the same spec over compressed pages of ``preset``."""
     if spec is None:  # encoder-only layers keep no KV cache
         return None
     name = getattr(layer, "layer_name", "?")
@@ -132,7 +160,6 @@ def turboquant_kv_cache_spec(layer: Any, vllm_config: Any, spec: Any) -> Any:
             f"{where}: key head size {spec.head_size} differs from value head size {spec.head_size_v}; only equal "
             "K/V head sizes are supported. Serve this model with another --attention-backend"
         )
-    preset = resolve_preset(vllm_config)
     # Validates head_size / block_size with a message naming the constraint.
     cache_layout(preset, spec.head_size, spec.num_kv_heads, spec.block_size)
     common = dict(
@@ -170,10 +197,14 @@ def install_kv_cache_spec_hook() -> None:
 
     @functools.wraps(original)
     def get_kv_cache_spec(self: Any, vllm_config: Any) -> Any:
+        bind_layer_presets(vllm_config)  # done at weight loading already; binds a layer that skipped it
         spec = original(self, vllm_config)
+        if getattr(self, "turboquant_bf16", False) and isinstance(spec, SlidingWindowSpec):
+            # vLLM gives a sliding-window layer the smallest kernel block; one group needs one block size.
+            return dataclasses.replace(spec, block_size=vllm_config.cache_config.block_size)
         if not is_turboquant_backend(getattr(self, "attn_backend", None)):
-            return spec
-        return turboquant_kv_cache_spec(self, vllm_config, spec)
+            return spec  # another backend's layer, or a bf16 layer (now vLLM's FlashAttention)
+        return turboquant_kv_cache_spec(self, vllm_config, spec, self.impl.preset)
 
     get_kv_cache_spec.__turboquant_hook__ = True  # type: ignore[attr-defined]
     get_kv_cache_spec.__turboquant_original__ = original  # type: ignore[attr-defined]
@@ -189,3 +220,133 @@ def check_builder_spec(spec: Any, layer_names: list[str]) -> None:
             "variant (e.g. chunked-local, cross or reference-sliding-window attention) is not supported; "
             "serve this model with another --attention-backend"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer presets: a layer's preset is known once the model is built.
+# ---------------------------------------------------------------------------------------------
+def bind_layer_presets(vllm_config: Any) -> None:
+    """Give each TurboQuant attention layer not bound yet its preset (TURBOQUANT_LAYER_PRESETS, else the preset).
+
+    vLLM builds an impl without its layer's name, hence its index; the impl's process_weights_after_loading (the
+    model is built, the KV cache not yet sized) calls this for all layers at once, and logs the per-layer line.
+    - A TurboQuant preset: the impl takes its layout, the layer our backend's subclass for that preset (the runners
+      ask a layer's backend for its cache shape, giving it no spec).
+    - bf16: the layer becomes a vLLM FlashAttention layer (module docstring).
+    """
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layers = {
+        name: layer for name, layer in vllm_config.compilation_config.static_forward_context.items()
+        if isinstance(layer, Attention) and is_turboquant_backend(layer.attn_backend)
+        and layer.attn_backend.preset_name is None
+    }
+    if not layers:
+        return
+    default = process_preset(vllm_config)
+    layer_presets = resolve_layer_presets(vllm_config)
+    chosen = (dict.fromkeys(layers, default.name) if layer_presets is None
+              else _layer_preset_names(vllm_config, layer_presets, default, layers))
+    for name, layer in layers.items():
+        if chosen[name] == BF16:
+            _use_flash_attention(layer, vllm_config)
+        else:
+            layer.impl.bind_preset(get_preset(chosen[name]))
+            layer.attn_backend = layer.attn_backend.for_preset(chosen[name])
+    if layer_presets is not None:
+        owners = [(layer_index(name, layer_presets.source), chosen[name], layer.num_kv_heads, layer.head_size)
+                  for name, layer in layers.items() if layer.kv_sharing_target_layer_name is None]
+        logger.info("%s", describe_layer_presets(owners))
+
+
+def layer_index(layer_name: str, source: str) -> int:
+    """The layer index in a vLLM layer name (model.layers.28.self_attn.attn -> 28), as vLLM reads it."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return extract_layer_index(layer_name)
+    except AssertionError:
+        raise ValueError(
+            f"{source}: cannot tell the layer index of attention layer {layer_name!r} (vLLM's extract_layer_index "
+            "needs exactly one number in the name); serve this model without per-layer presets"
+        ) from None
+
+
+def _layer_preset_names(vllm_config: Any, layer_presets: LayerPresets, default: Preset,
+                        layers: dict[str, Any]) -> dict[str, str]:
+    """Layer name -> preset name, checked against the model."""
+    by_index = layer_presets.resolve(vllm_config.model_config.get_total_num_hidden_layers())
+
+    def preset_of(name: str) -> str:
+        return by_index.get(layer_index(name, layer_presets.source), default.name)
+
+    chosen = {}
+    for name, layer in layers.items():
+        target = layer.kv_sharing_target_layer_name
+        chosen[name] = preset_of(target or name)
+        if target and preset_of(name) != chosen[name] and layer_index(name, layer_presets.source) in by_index:
+            raise ValueError(
+                f"{layer_presets.source}: layer {name} reads the KV cache of {target} (KV sharing), whose preset is "
+                f"{chosen[name]}, not {preset_of(name)}; give both layers the same preset"
+            )
+    windows = {layer.sliding_window for layer in layers.values()}
+    if (len(set(chosen.values())) > 1 and len(windows) > 1
+            and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager):
+        raise ValueError(
+            f"{layer_presets.source}: this model mixes sliding-window and full attention layers, which vLLM's hybrid "
+            "KV-cache manager keeps in separate groups of one page size, while per-layer presets need them in one "
+            "group: add --disable-hybrid-kv-cache-manager (sliding-window layers then keep all their blocks), or give "
+            f"every layer one preset (unset {LAYER_PRESETS_ENV})"
+        )
+    return chosen
+
+
+@functools.cache
+def flash_attention_backend() -> type:
+    """vLLM's FlashAttention backend for bf16 layers, storing the step's keys/values in forward as ours does
+    (forward_includes_kv_cache_update). Attention.forward then traces alike in every layer whatever its preset, so
+    a compiled graph that vLLM's compile cache reuses (its key holds --additional-config, not our environment
+    variables) stays right when TURBOQUANT_LAYER_PRESETS changes."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+
+    class BF16FlashAttentionImpl(FlashAttentionImpl):
+        def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor | None = None,
+                    output_scale: torch.Tensor | None = None,
+                    output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+            if attn_metadata is not None and self.kv_sharing_target_layer_name is None:
+                # The metadata's slot mapping is not padded; the store takes that many of the padded keys.
+                self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+
+    class BF16FlashAttentionBackend(FlashAttentionBackend):
+        forward_includes_kv_cache_update: bool = True
+
+        @staticmethod
+        def get_impl_cls() -> type[BF16FlashAttentionImpl]:
+            return BF16FlashAttentionImpl
+
+    return BF16FlashAttentionBackend
+
+
+def _use_flash_attention(layer: Any, vllm_config: Any) -> None:
+    """Make a bf16 layer a vLLM FlashAttention layer: backend, impl (built from our impl's arguments, which passed
+    our checks) and, through the spec hook, vLLM's own KV-cache spec."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if compat.flash_attn_varlen() is None:
+        raise ValueError(
+            f"layer {layer.layer_name}: bf16 layers run vLLM's FlashAttention, which cannot run here (it needs an "
+            "NVIDIA GPU of compute capability 8.0 or newer); give the layer a TurboQuant preset"
+        )
+    ours, backend = layer.impl, flash_attention_backend()
+    with set_current_vllm_config(vllm_config):
+        flash = backend.get_impl_cls()(
+            ours.num_heads, ours.head_size, ours.scale, ours.num_kv_heads, None, ours.sliding_window,
+            ours.kv_cache_dtype, ours.softcap, ours.attn_type, ours.kv_sharing_target_layer_name,
+        )
+    ours.served_by = flash
+    layer.impl, layer.attn_backend, layer.backend = flash, backend, AttentionBackendEnum.FLASH_ATTN
+    layer.turboquant_bf16 = True  # for the spec hook

@@ -1,8 +1,11 @@
-"""What a TurboQuant process serves with: the preset and the key calibration, from --additional-config or the
-environment, fixed once per process; the startup log lines. Imports no vLLM module (``register()`` runs it in every
+"""What a TurboQuant process serves with: the preset, per-layer presets and the key calibration, from
+--additional-config or the environment; the startup log lines. Imports no vLLM module (``register()`` runs it in every
 vLLM process).
 
     TURBOQUANT_PRESET=tq3                     or  --additional-config '{"turboquant_preset": "tq3"}'
+    TURBOQUANT_LAYER_PRESETS='0,1,-2,-1=bf16;5-7=k4v3'
+                                              or  --additional-config '{"turboquant_layer_presets":
+                                                                       {"0,1,-2,-1": "bf16", "5-7": "k4v3"}}'
     TURBOQUANT_KEY_CALIBRATION=keys.safetensors  or  --additional-config '{"turboquant_key_calibration": "..."}'
 
 Giving a setting both ways with different values is an error.
@@ -13,13 +16,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.calibration import KeyCalibration, KeyStatistics, load_calibration
-from ..core.presets import DEFAULT_PRESET, Preset, get_preset
+from ..core.layout import cache_layout
+from ..core.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 
 PRESET_ENV = "TURBOQUANT_PRESET"
 PRESET_CONFIG_KEY = "turboquant_preset"  # key of vLLM's --additional-config
+LAYER_PRESETS_ENV = "TURBOQUANT_LAYER_PRESETS"
+LAYER_PRESETS_CONFIG_KEY = "turboquant_layer_presets"
+BF16 = "bf16"  # a layer preset: K/V kept in the model's own 16-bit dtype (served by vLLM's FlashAttention)
 CALIBRATION_ENV = "TURBOQUANT_KEY_CALIBRATION"
 CALIBRATION_CONFIG_KEY = "turboquant_key_calibration"
 # Set by `turboquant-vllm calibrate` only: the backend then sums key/query statistics per layer.
@@ -77,6 +86,118 @@ def process_preset(vllm_config: Any | None = None) -> Preset:
     return preset
 
 
+_LAYER_ITEM = re.compile(r"(-?\d+)(?:-(-?\d+))?")  # 5, -1, 5-7, 28--1: an index or an inclusive range
+
+
+@dataclass(frozen=True)
+class LayerPresets:
+    """Per-layer presets as given: (layers as written, their (first, last) spans, preset name) per entry. Indices
+    below 0 count from the end; resolve() maps them onto a model's layers."""
+
+    source: str  # where they were given, for messages
+    entries: tuple[tuple[str, tuple[tuple[int, int], ...], str], ...]
+
+    def turboquant_presets(self) -> set[Preset]:
+        return {get_preset(name) for _, _, name in self.entries if name != BF16}
+
+    def resolve(self, num_layers: int) -> dict[int, str]:
+        """Layer index -> preset name, for a model of num_layers layers; layers not named keep the preset."""
+        chosen: dict[int, tuple[str, str]] = {}  # index -> (entry as written, preset name)
+        for text, spans, name in self.entries:
+            for first, last in spans:
+                lo, hi = (i + num_layers if i < 0 else i for i in (first, last))
+                if not (0 <= lo < num_layers and 0 <= hi < num_layers):
+                    raise ValueError(
+                        f"{self.source}: layers {text!r} reach past the model's {num_layers} layers "
+                        f"(0..{num_layers - 1}, or -{num_layers}..-1 from the end); fix the entry"
+                    )
+                if lo > hi:
+                    raise ValueError(
+                        f"{self.source}: range in {text!r} is empty ({lo} > {hi}); write ranges first-last"
+                    )
+                for index in range(lo, hi + 1):
+                    if index in chosen:
+                        raise ValueError(
+                            f"{self.source}: layer {index} is in two entries ({chosen[index][0]!r} and {text!r}); "
+                            "give each layer one preset"
+                        )
+                    chosen[index] = (text, name)
+        return {index: name for index, (_, name) in chosen.items()}
+
+    def check(self, head_size: int, num_layers: int | None) -> None:
+        """Refuse presets that cannot serve head_size and, once the model's number of layers is known, indices out
+        of range or given twice: a ValueError naming the constraint and the way out."""
+        for text, _, name in self.entries:
+            if name == BF16:
+                continue
+            try:
+                cache_layout(get_preset(name), head_size, 1, 16)  # the head-size limits (any block size)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{self.source} gives layers {text} preset {name}, which this model cannot use: {exc}; or give "
+                    "those layers another preset (e.g. tq4 or bf16)"
+                ) from None
+        if num_layers is not None:
+            self.resolve(num_layers)
+
+
+def parse_layer_presets(value: Any, source: str) -> LayerPresets | None:
+    """Layer presets from a JSON object {"0,1,-1": "bf16", "5-7": "k4v3"} (--additional-config) or the string
+    "0,1,-1=bf16;5-7=k4v3" (environment); None when empty."""
+    if isinstance(value, str):
+        pairs = []
+        for part in filter(None, (p.strip() for p in value.split(";"))):
+            layers, sep, name = part.partition("=")
+            if not sep:
+                raise ValueError(f"{source}: entry {part!r} is not LAYERS=PRESET (e.g. '0,1,-2,-1=bf16;5-7=k4v3')")
+            pairs.append((layers, name))
+    elif isinstance(value, dict):
+        pairs = [(str(layers), str(name)) for layers, name in value.items()]
+    else:
+        # A configuration error like the others, which callers report as ValueError.
+        raise ValueError(f'{source}: expected a JSON object {{"LAYERS": "PRESET", ...}}, got {value!r}')  # noqa: TRY004
+    entries = []
+    for layers, name in pairs:
+        layers, name = layers.strip(), name.strip().lower()
+        spans = []
+        for item in layers.split(","):
+            match = _LAYER_ITEM.fullmatch(item.strip())
+            if match is None:
+                raise ValueError(
+                    f"{source}: {layers!r} is not a list of layer indices and ranges (e.g. '0,1,5-7' or '-2,-1')"
+                )
+            spans.append((int(match[1]), int(match[2] or match[1])))
+        if name != BF16 and name not in PRESETS:
+            raise ValueError(
+                f"{source}: unknown preset {name!r} for layers {layers}; choose {BF16} or one of {', '.join(PRESETS)}"
+            )
+        entries.append((layers, tuple(spans), name))
+    return LayerPresets(source, tuple(entries)) if entries else None
+
+
+def resolve_layer_presets(vllm_config: Any | None = None) -> LayerPresets | None:
+    """Per-layer presets: ``--additional-config`` key, else ``TURBOQUANT_LAYER_PRESETS``, else none."""
+    extra = getattr(vllm_config, "additional_config", None)
+    config_value = extra.get(LAYER_PRESETS_CONFIG_KEY) if isinstance(extra, dict) else None
+    config_source = f"--additional-config {LAYER_PRESETS_CONFIG_KEY}"
+    from_config = parse_layer_presets(config_value, config_source) if config_value else None
+    from_env = parse_layer_presets(os.environ.get(LAYER_PRESETS_ENV, ""), LAYER_PRESETS_ENV)
+    if from_config and from_env and (
+        {entry[1:] for entry in from_config.entries} != {entry[1:] for entry in from_env.entries}
+    ):
+        raise ValueError(
+            f"TurboQuant layer presets given twice: --additional-config {LAYER_PRESETS_CONFIG_KEY}={config_value!r} "
+            f"and {LAYER_PRESETS_ENV}={os.environ[LAYER_PRESETS_ENV]!r}; keep one of them"
+        )
+    return from_config or from_env
+
+
+def num_model_layers(vllm_config: Any | None) -> int | None:
+    """The model's number of layers (all pipeline stages: layer names count from 0 across them); None without one."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return None if model_config is None else model_config.get_total_num_hidden_layers()
+
+
 def resolve_calibration_path(vllm_config: Any | None = None) -> str | None:
     """The key calibration file: ``--additional-config`` key, else ``TURBOQUANT_KEY_CALIBRATION``, else none."""
     config_value, env_value = _setting(vllm_config, CALIBRATION_CONFIG_KEY, CALIBRATION_ENV)
@@ -126,6 +247,34 @@ def describe_preset(preset: Preset, head_dim: int) -> str:
         f"TurboQuant KV cache: preset {preset.name} ({preset.k_bits}-bit K, {preset.v_bits}-bit V), "
         f"head_dim {head_dim}: {tq} B per token per KV head vs {bf16} B in bf16 -> "
         f"{bf16 / tq:.2f}x KV-cache capacity"
+    )
+
+
+def _index_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 28, 29] -> "0-2,5,28-29" """
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def describe_layer_presets(layers: list[tuple[int, str, int, int]]) -> str:
+    """The startup line with per-layer presets: which layers use which preset, and the KV-cache bytes per token summed
+    over the layers vs the same layers in bf16. layers: (index, preset name, KV heads, head size) each."""
+    indices: dict[str, list[int]] = {}
+    total = bf16 = 0
+    for index, name, heads, head_size in sorted(layers):
+        indices.setdefault(name, []).append(index)
+        plain = heads * 2 * 2 * head_size
+        bf16 += plain
+        total += plain if name == BF16 else heads * get_preset(name).bytes_per_token_per_head(head_size)
+    presets = "; ".join(f"{name} {_index_ranges(found)}" for name, found in indices.items())
+    return (
+        f"TurboQuant KV cache per layer: {presets}: {total:,} B per token over {len(layers)} layers vs {bf16:,} B in "
+        f"bf16 -> {bf16 / total:.2f}x KV-cache capacity"
     )
 
 
