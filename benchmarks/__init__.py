@@ -21,6 +21,8 @@ BENCHMARKS = {
                "(GPU; --report renders on a CPU)",
     "quality_diagnosis": "where the quantization error of the reference LM comes from and which remedies pay "
                          "(CPU, fp32 forward)",
+    "key_centering": "where a real model's tq4 error comes from and what per-token key centering buys (CPU, fp32 "
+                     "forward)",
     "quality_transform_bound": "bound on what a learned linear transform of K or V could cut from the quantization "
                                "error (CPU)",
     "kernel_variants": "decode attention under launch variants (warps, tiles, registers, stages, splits) vs the launch "

@@ -1,0 +1,227 @@
+"""Where a real model's tq4 error comes from, and what per-token key centering buys (CPU, fp32 forward).
+
+An HF Llama directory (e.g. SmolLM2-135M-Instruct from `turboquant-vllm model smollm2`) runs in fp32 through
+reference_lm's Llama; each layer's K (post-RoPE, as cached) and V pass through core's quantize -> dequantize under a
+configuration. Calibration (mean m and scale s per layer and KV head, core.calibration's formula) comes from
+--calib-windows WikiText-2 windows disjoint from the scored ones.
+
+1. attention error per layer (one window): ||o_proj(attn(q, K_hat, V_hat) - attn(q, K, V))||^2 over the
+   reference's, for keys raw, centered, centered with the first token exact, and per-token centered (below).
+2. KL(P_fp32 || Q) per position (full vocabulary) and the PPL change over --windows windows per configuration.
+
+Key centering caches (k - m) / s: exact for softmax (q.m is the same for every key) and it takes out the mean that
+RoPE'd keys share. But attention-sink keys (e.g. a sequence's first token, which most heads attend to) are short
+and far from the mean: centering makes exactly those vectors long and their error large. Per-token centering
+("adaptive", the stored format): each key is stored centered or not, whichever vector is shorter, the choice in
+the sign of its stored norm; scores subtract q.m for the uncentered ones.
+
+    python -m benchmarks key_centering --model DIR --wikitext wikitext2-test.txt [--windows 2 --seq-len 2048]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from reference_lm.model import Llama, ModelConfig, rope_cos_sin
+from turboquant_vllm.core.quantizer import Quantizer
+
+from . import common
+
+NAME = "key_centering"
+CONFIGS = {  # name -> (key bits, value bits, key transform)
+    "fp8 e4m3": ("fp8", "fp8", ""),
+    "tq4": (4, 4, ""),
+    "tq4 keys only": (4, None, ""),
+    "tq4 values only": (None, 4, ""),
+    "tq4 centered": (4, 4, "centered"),
+    "tq4 centered per token": (4, 4, "adaptive"),
+    "tq3": (3, 3, ""),
+    "tq3 centered": (3, 3, "centered"),
+    "tq3 centered per token": (3, 3, "adaptive"),
+    "k5v4 centered per token": (5, 4, "adaptive"),
+}
+
+
+def load(path: Path) -> Llama:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
+    model = Llama(ModelConfig(**{f.name: cfg[f.name] for f in dataclasses.fields(ModelConfig)}))
+    state = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        state.update(load_file(shard))
+    state.pop("lm_head.weight", None)  # tied
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.float().eval()
+
+
+def fake_quant(x: torch.Tensor, bits) -> torch.Tensor:
+    if bits is None:
+        return x
+    if bits == "fp8":
+        return x.to(torch.float8_e4m3fn).float()
+    q = Quantizer(bits, x.shape[-1])
+    return q.dequantize(*q.quantize(x))
+
+
+def layer_qkv(model: Llama, i: int, x: torch.Tensor):
+    """q, k (post-RoPE) and v of layer i for its input x [B, T, hidden], each [B, heads, T, d]."""
+    a, c = model.model.layers[i].self_attn, model.config
+    h = model.model.layers[i].input_layernorm(x)
+    B, T, _ = h.shape
+    cos, sin = rope_cos_sin(c, T, h.device)
+
+    def rope(t):
+        t1, t2 = t.chunk(2, -1)
+        return t * cos + torch.cat((-t2, t1), -1) * sin
+
+    q = rope(a.q_proj(h).view(B, T, a.n_heads, a.head_dim).transpose(1, 2))
+    k = rope(a.k_proj(h).view(B, T, a.n_kv, a.head_dim).transpose(1, 2))
+    return q, k, a.v_proj(h).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
+
+
+def forward(model: Llama, ids: torch.Tensor, hook=None, inputs: list | None = None) -> torch.Tensor:
+    cos, sin = rope_cos_sin(model.config, ids.shape[1], ids.device)
+    x = model.model.embed_tokens(ids)
+    for i, layer in enumerate(model.model.layers):
+        if inputs is not None:
+            inputs.append(x)
+        x = layer(x, cos, sin, None if hook is None else (lambda k, v, i=i: hook(i, k, v)))
+    return F.linear(model.model.norm(x), model.model.embed_tokens.weight)
+
+
+def calibrate(model: Llama, ids: torch.Tensor) -> dict:
+    """layer -> (mean, scale), [1, kv_heads, 1, d]: core.calibration's s_c = (E[(k-m)^2] / E[q^2])^(1/4)."""
+    inputs, out = [], {}
+    with torch.inference_mode():
+        forward(model, ids, inputs=inputs)
+        for i, x in enumerate(inputs):
+            q, k, _ = layer_qkv(model, i, x)
+            kv, d = k.shape[1], k.shape[-1]
+            mean = k.mean((0, 2), keepdim=True)
+            var = (k - mean).pow(2).mean((0, 2), keepdim=True)
+            qq = q.pow(2).view(q.shape[0], kv, -1, q.shape[2], d).mean((0, 2, 3))[None, :, None]
+            log_s = 0.25 * (var.clamp_min(1e-12).log() - qq.clamp_min(1e-12).log())
+            out[i] = (mean, (log_s - log_s.mean(-1, keepdim=True)).exp())
+    return out
+
+
+def keys_through_cache(k: torch.Tensor, bits, how: str, cal: tuple | None) -> torch.Tensor:
+    if bits is None or not how:
+        return fake_quant(k, bits)
+    m, s = cal
+    centered = (k - m) / s
+    k_hat = fake_quant(centered, bits) * s + m
+    if how == "adaptive":  # per token, whichever of (k - m) / s and k / s is shorter
+        raw = k / s
+        short = torch.linalg.vector_norm(raw, dim=-1, keepdim=True) < torch.linalg.vector_norm(centered, dim=-1,
+                                                                                             keepdim=True)
+        k_hat = torch.where(short, fake_quant(raw, bits) * s, k_hat)
+    return k_hat
+
+
+def attention_error(model: Llama, ids: torch.Tensor, cal: dict) -> list[dict]:
+    """Per layer: the attention output's error through o_proj, relative, for tq4 keys under each transform."""
+    rows, inputs = [], []
+    with torch.inference_mode():
+        forward(model, ids, inputs=inputs)
+        for i, x in enumerate(inputs):
+            a = model.model.layers[i].self_attn
+            q, k, v = layer_qkv(model, i, x)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            base = a.o_proj(ref.transpose(1, 2).flatten(2)).pow(2).sum(-1).mean()
+            first_exact = torch.cat([k[:, :, :1], keys_through_cache(k[:, :, 1:], 4, "centered", cal[i])], 2)
+            variants = {"raw": fake_quant(k, 4), "centered": keys_through_cache(k, 4, "centered", cal[i]),
+                        "centered, first token exact": first_exact,
+                        "centered per token": keys_through_cache(k, 4, "adaptive", cal[i])}
+            row = {"layer": i}
+            for name, k_hat in variants.items():
+                o = F.scaled_dot_product_attention(q, k_hat, v, is_causal=True, enable_gqa=True)
+                row[name] = (a.o_proj((o - ref).transpose(1, 2).flatten(2)).pow(2).sum(-1).mean() / base).item()
+            rows.append(row)
+    return rows
+
+
+def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str], log=print) -> dict:
+    refs, out = [], {}
+    with torch.inference_mode():
+        for ids in windows.split(1):
+            logp = forward(model, ids)[:, :-1].log_softmax(-1)
+            refs.append((ids, logp, -logp.gather(-1, ids[:, 1:, None]).mean().item()))
+        ref_nll = float(np.mean([r[2] for r in refs]))
+        out["reference"] = {"ppl": math.exp(ref_nll)}
+        for name in names:
+            kb, vb, how = CONFIGS[name]
+            t0, kls, nlls = time.perf_counter(), [], []
+
+            def hook(i, k, v):
+                return keys_through_cache(k, kb, how, cal[i]), fake_quant(v, vb)
+
+            for ids, logp_ref, _ in refs:
+                logp = forward(model, ids, hook)[:, :-1].log_softmax(-1)
+                kls.append((logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item())
+                nlls.append(-logp.gather(-1, ids[:, 1:, None]).mean().item())
+            out[name] = {"kl": float(np.mean(kls)), "ppl_delta_pct": 100 * (math.exp(np.mean(nlls) - ref_nll) - 1),
+                         "seconds": time.perf_counter() - t0}
+            log(f"{name:26s} KL {out[name]['kl']:.5f}  PPL {out[name]['ppl_delta_pct']:+.2f}%")
+    return out
+
+
+def markdown(doc: dict) -> str:
+    r = doc["results"]
+    lines = [f"# {doc['model']}: where tq4's error comes from, per-token key centering (CPU, fp32)", "",
+             f"{doc['windows']} WikiText-2 windows of {doc['seq_len']} tokens scored, calibration on "
+             f"{doc['calib_windows']} others; reference PPL {r['reference']['ppl']:.3f}.", "",
+             "| configuration | KL (nats/token) | PPL vs fp32 |", "| --- | ---: | ---: |"]
+    lines += [f"| {n} | {r[n]['kl']:.5f} | {r[n]['ppl_delta_pct']:+.2f}% |" for n in r if n != "reference"]
+    variants = [k for k in doc["attention_error"][0] if k != "layer"]
+    lines += ["", "Attention output error through o_proj (relative energy), tq4 keys, values exact, one window:", "",
+              "| layer | " + " | ".join(variants) + " |", "| ---: |" + " ---: |" * len(variants)]
+    lines += [f"| {row['layer']} | " + " | ".join(f"{row[v]:.5f}" for v in variants) + " |"
+              for row in doc["attention_error"]]
+    mean = {v: np.mean([row[v] for row in doc["attention_error"]]) for v in variants}
+    lines += ["| mean | " + " | ".join(f"{mean[v]:.5f}" for v in variants) + " |"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = common.parser(NAME, __doc__)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--wikitext", type=Path, required=True)
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--calib-windows", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--only", default=";".join(CONFIGS), help="configurations, ';'-separated")
+    common.add_out_argument(p, "benchmarks/results/quality_diagnosis/cpu-<model>-centering")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    model = load(args.model)
+    ids = np.array(AutoTokenizer.from_pretrained(args.model)(args.wikitext.read_text()).input_ids)
+    slots = np.random.default_rng(0).permutation(len(ids) // args.seq_len)[:args.windows + args.calib_windows]
+    picked = torch.tensor(np.stack([ids[s * args.seq_len:(s + 1) * args.seq_len] for s in slots]))
+    windows, calib = picked[:args.windows], picked[args.windows:]
+    cal = calibrate(model, calib)
+    command = common.command_line(NAME, argv)
+    doc = {"command": command, "model": args.model.name, "windows": args.windows, "calib_windows": args.calib_windows,
+           "seq_len": args.seq_len, "attention_error": attention_error(model, windows[:1], cal),
+           "results": kl_and_ppl(model, windows, cal, args.only.split(";"))}
+    doc["seconds"] = time.perf_counter() - t0
+    meta = common.provenance(command)
+    # beside the reference LM's diagnosis: benchmarks/results/quality_diagnosis/cpu-<model>-centering
+    default = common.RESULTS / "quality_diagnosis" / f"cpu-{args.model.name}-centering"
+    stem = common.stem_of(args.out) if args.out else default
+    common.write_json(common.with_ext(stem, ".json"), doc, meta)
+    common.write_markdown(common.with_ext(stem, ".md"), markdown(doc), meta)
+    print(markdown(doc))
+    return doc
