@@ -54,6 +54,7 @@ def in_tree(b: Batch, preset: str):
 def main(argv: list[str] | None = None) -> None:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES), help="BATCHxCONTEXT,...")
+    ap.add_argument("--kernels", help="the kernels to time, ','-separated (default: all)")
     common.add_out_argument(ap, "benchmarks/results/decode_kernel/<gpu>-32q8kv-<shapes>")
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -69,9 +70,12 @@ def main(argv: list[str] | None = None) -> None:
             "fa3_fp8": functools.partial(flash, b, True),
             "tq4": functools.partial(ours, b, "tq4"),
             "tq3": functools.partial(ours, b, "tq3"),
+            "tq4-cal": functools.partial(ours, b, "tq4", calibrated=True),
             "turboquant_4bit_nc": functools.partial(in_tree, b, "turboquant_4bit_nc"),
             "turboquant_3bit_nc": functools.partial(in_tree, b, "turboquant_3bit_nc"),
         }
+        if args.kernels:
+            kernels = {name: kernels[name] for name in args.kernels.split(",")}
         measured = measure(b, kernels, peak)
         print("\n".join(table(measured)), flush=True)
         rows += measured

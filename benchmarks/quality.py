@@ -804,7 +804,10 @@ def run(args) -> None:
             f.write(f"==== {name} (rc {rc})\n{stdout[-20000:]}\n{stderr[-20000:]}\n")
         found = [line[len(ROW_TAG):] for line in stdout.splitlines() if line.startswith(ROW_TAG)]
         row = json.loads(found[-1]) if found else {"kv": name}
-        if rc or not found:
+        complete = all(key in row for key in ("ppl_wikitext2", "needle_accuracy", "kl_vs_bf16"))
+        if rc and complete:  # every figure is in: a crash while the engine tears down costs nothing measured
+            row["exit"] = (stderr.strip().splitlines() or [f"exit code {rc}"])[-1]
+        elif rc or not found:
             row["error"] = "\n".join(stderr.strip().splitlines()[-12:]) or f"exit code {rc}"
         row["seconds"] = seconds
         if name == CALIBRATION:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .core.calibration import KeyCalibration
 from .core.layout import CacheLayout
 from .core.presets import get_preset
 from .ops import paged_attention, store_kv
@@ -82,14 +83,20 @@ class Batch:
         return s.batch * s.context * s.kv_heads * bytes_per_token_per_head + meta
 
 
-def ours(b: Batch, preset: str, splits: int | None = None, **tuning) -> tuple[Callable[[], object], int]:
-    """Our decode attention over the batch's contents stored in `preset`; (launch, bytes per token per KV head)."""
+def ours(b: Batch, preset: str, splits: int | None = None, calibrated: bool = False,
+         **tuning) -> tuple[Callable[[], object], int]:
+    """Our decode attention over the batch's contents stored in `preset`; (launch, bytes per token per KV head).
+    calibrated: keys stored with a key calibration (a mean near the keys' and a scale), so the pages hold centered
+    and uncentered tokens and decode takes its calibrated path."""
     s = b.shape
     layout = CacheLayout(get_preset(preset), s.head_dim, s.kv_heads, BLOCK)
     cache = torch.empty(layout.cache_shape(b.num_blocks), dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cal = KeyCalibration(torch.randn(s.kv_heads, s.head_dim, device="cuda", generator=gen),
+                         torch.rand(s.kv_heads, s.head_dim, device="cuda", generator=gen) + 0.5) if calibrated else None
     for ids, k, v in b.slot_chunks():
         slots = (ids[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten()
-        store_kv(k, v, cache, slots, layout)
+        store_kv(k, v, cache, slots, layout, cal)
     splits = splits or decode_num_splits(s.batch, layout)
     ws = torch.empty(attention_workspace_shape(s.batch, s.q_heads, s.head_dim, splits), dtype=torch.float32,
                      device="cuda")
@@ -97,7 +104,8 @@ def ours(b: Batch, preset: str, splits: int | None = None, **tuning) -> tuple[Ca
 
     def run():
         paged_attention(b.query, cache, layout, b.block_table, b.qsl, b.seq_lens, max_query_len=1,
-                        scale=s.head_dim**-0.5, out=out, workspace=ws, num_splits=splits, **tuning)
+                        scale=s.head_dim**-0.5, out=out, workspace=ws, num_splits=splits, key_calibration=cal,
+                        **tuning)
     return run, layout.bytes_per_token_per_head
 
 
