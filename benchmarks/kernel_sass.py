@@ -41,7 +41,7 @@ from . import common
 
 NAME = "kernel_sass"
 
-POINTERS = {"q_ptr": "*fp16", "cache_ptr": "*u8", "block_table_ptr": "*i32", "qsl_ptr": "*i32",
+POINTERS = {"q_ptr": "*fp16", "q_offset_ptr": "*fp32", "cache_ptr": "*u8", "block_table_ptr": "*i32", "qsl_ptr": "*i32",
             "seq_lens_ptr": "*i32", "k_lut_ptr": "*i8", "v_lut_ptr": "*fp16", "o_ptr": "*fp32",
             "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
 DIVISIBLE = set(POINTERS) | {"stride_qt", "stride_qh", "stride_bt", "stride_cblock", "stride_chead"}
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         return store_kernel(args)
     layout = CacheLayout(get_preset(args.preset), 128, 8, 16)  # the benchmark's shape: 32 q / 8 KV heads, d 128
     c = kernel_constants(layout, "cpu")
-    consts = dict(NUM_Q_HEADS=32, GROUP=4, NUM_SPLITS=2, USE_WINDOW=False, USE_SOFTCAP=False, UPCAST=False,
+    consts = dict(NUM_Q_HEADS=32, GROUP=4, NUM_SPLITS=2, USE_WINDOW=False, USE_SOFTCAP=False, CALIBRATED=False,
+                  UPCAST=False,
                   K_ASM=c.key_mma_asm, V_ASM=c.value_lookup_asm, **page_constants(layout))
     options = launch_options(args, layout)
     block_n = options.pop("block_n")

@@ -105,3 +105,47 @@ def test_bad_files_and_values_are_refused(tmp_path):
         KeyCalibration(torch.zeros(4), torch.ones(4))
     with pytest.raises(ValueError, match="too few"):
         KeyStatistics(1, 4).fit()
+
+
+def sink_case(seed: int, d: int = 128, n: int = 64):
+    """Keys around a large mean (one KV head), token 0 an attention sink: a small key far from the mean."""
+    gen = torch.Generator().manual_seed(seed)
+    mean = torch.randn(1, d, generator=gen) * 3
+    cal = KeyCalibration(mean, torch.exp(torch.empty(1, d).uniform_(-0.5, 0.5, generator=gen)))
+    keys = mean + torch.randn(n, 1, d, generator=gen)
+    keys[0] = 0.2 * keys[1:].norm(dim=-1).mean() * torch.nn.functional.normalize(torch.randn(1, d, generator=gen))
+    return cal, keys, torch.randn(16, 1, d, generator=gen)
+
+
+def test_sink_keys_are_stored_uncentered():
+    """The shorter of (k - m) / s and k / s is stored: the sink uncentered with a negative norm, the rest centered;
+    a zero key too, its norm still strictly negative."""
+    cal, keys, _ = sink_case(4)
+    keys[5] = 0.0
+    x, centered = cal.choose_keys(keys)
+    assert not centered[0] and not centered[5] and centered[1:5].all() and centered[6:].all()
+    torch.testing.assert_close(x[0], keys[0] / cal.scale)
+    torch.testing.assert_close(x[1], cal.keys(keys[1:2])[0])
+    packed, norms = cal.quantize(Quantizer(4, 128), keys)
+    assert (norms[0] < 0).all() and (norms[5] < 0).all() and (norms[[1, 2, 3, 4]] > 0).all() and (norms[6:] > 0).all()
+    assert norms[5].item() == -(2.0**-100)
+    torch.testing.assert_close(cal.dequantize(Quantizer(4, 128), packed[5:6], norms[5:6]), -cal.offset[None])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequantized_keys_give_the_scores_up_to_one_shift_per_query(bits):
+    """(q * s).x_hat of every stored key, centered or not, is q.k - q.m up to the quantization error; the sink's
+    score error is a fraction of what storing it centered would give."""
+    cal, keys, q = sink_case(5)
+    quant = Quantizer(bits, 128)
+    want = torch.einsum("qhd,khd->qk", q, keys) - cal.query_offsets(q)
+    got = torch.einsum("qhd,khd->qk", cal.queries(q), cal.dequantize(quant, *cal.quantize(quant, keys)))
+    centered = torch.einsum("qhd,khd->qk", cal.queries(q), quant.dequantize(*quant.quantize(cal.keys(keys))))
+    err, err_centered = (got - want).abs(), (centered - want).abs()
+    assert (err.pow(2).mean() / want.pow(2).mean()).sqrt() < {2: 0.5, 3: 0.3, 4: 0.15}[bits]  # ~ sqrt of the MSE
+    assert err[:, 0].pow(2).mean() < 0.1 * err_centered[:, 0].pow(2).mean()
+    torch.testing.assert_close(err[:, 1:], err_centered[:, 1:], rtol=0, atol=0)  # centered keys: as before
+    # rotated: the same keys in the cache's basis
+    rotated = cal.dequantize(quant, *cal.quantize(quant, keys), rotated=True)
+    torch.testing.assert_close(rotated @ quant.rotation(), cal.dequantize(quant, *cal.quantize(quant, keys)),
+                               rtol=1e-5, atol=1e-5)

@@ -57,6 +57,16 @@ def random_calibration(gen, kv_heads: int, head_dim: int, device) -> KeyCalibrat
     return KeyCalibration(mean, scale).to(device)
 
 
+def keys_with_sinks(gen, keys: torch.Tensor, cal: KeyCalibration, sinks: list[int]) -> torch.Tensor:
+    """Keys for a calibrated cache that stores both kinds in one sequence: the ordinary ones around the calibration's
+    mean (stored centered), the tokens at sinks like attention sinks: small and far from the mean (stored
+    uncentered); the first sink exactly zero."""
+    out = keys.float().cpu() + cal.mean.cpu()
+    out[sinks] = 0.1 * torch.randn(len(sinks), *keys.shape[1:], generator=gen)
+    out[sinks[0]] = 0.0
+    return out.to(keys.dtype).to(keys.device)
+
+
 def refused(preset: str, head_dim: int) -> bool:
     """Combinations CacheLayout refuses (tests/core/test_presets.py checks the refusal)."""
     return PRESETS[preset].k_bits == 5 and head_dim < K5_MIN_HEAD_DIM

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE, FULL_MATRIX
-from tests.ops.cases import make_paged_batch, random_calibration, refused
+from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration, refused, skip_if_refused
 from turboquant_vllm.core.presets import PRESETS
-from turboquant_vllm.ops import attention_workspace_shape, paged_attention
+from turboquant_vllm.ops import attention_workspace_shape, paged_attention, store_kv
 from turboquant_vllm.ops.attention.naive import paged_attention_reference
+from turboquant_vllm.ops.rotation import RotatedQuery
 from turboquant_vllm.ops.store.naive import store_kv_reference
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -56,6 +57,8 @@ def run_case(case, seed):
     b = make_paged_batch(gen, case["preset"], case["head_dim"], case["kv_heads"], case["block_size"],
                          case["seq_lens"], case["dtype"], DEVICE)
     cal = random_calibration(gen, case["kv_heads"], case["head_dim"], DEVICE) if case["calibrated"] else None
+    if cal is not None:  # each sequence's first token a sink: stored uncentered, among centered keys
+        b.keys = keys_with_sinks(gen, b.keys, cal, [0, *accumulate(case["seq_lens"][:-1])])
     store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout, cal)
     q_lens = case["q_lens"]
     qsl = torch.tensor([0] + list(accumulate(q_lens)), dtype=torch.int32, device=DEVICE)
@@ -100,6 +103,42 @@ def test_decode_kernel_matches_reference(i):
     assert not torch.isnan(out).any(), "output not fully written (or NaN produced)"
     rel = (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
     assert rel < TOLERANCE[case["dtype"]], f"relative error {rel:.2e} for {case}"
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_calibrated_sinks_match_reference(preset, head_dim):
+    """Calibrated keys of both kinds in every sequence (its first token a sink, stored uncentered; the rest
+    centered), written by the store kernel: a decode step whose store launch rotates the queries (and their offsets),
+    then a chunked prefill over the same pages, match the reference."""
+    skip_if_refused(preset, head_dim)
+    gen = torch.Generator().manual_seed(hash((preset, head_dim, "sinks")) % 2**31)
+    seq_lens = [45, 70]
+    b = make_paged_batch(gen, preset, head_dim, 2, 16, seq_lens, torch.bfloat16, DEVICE)
+    cal = random_calibration(gen, 2, head_dim, DEVICE)
+    b.keys = keys_with_sinks(gen, b.keys, cal, [0, 45])
+    last = torch.tensor([44, 114], device=DEVICE)
+    context = torch.ones(115, dtype=torch.bool, device=DEVICE)
+    context[last] = False
+    store_kv(b.keys[context], b.values[context], b.kv_cache, b.slot_mapping[context], b.layout, cal)
+    norms = b.kv_cache[:, :, b.layout.key_norm_offset : b.layout.value_code_offset].contiguous().view(torch.float32)
+    assert (norms < 0).any() and (norms > 0).any()
+    scale = head_dim**-0.5
+    for q_lens in ([1, 1], [10, 30]):
+        query = torch.randn(sum(q_lens), 8, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+        qsl = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=DEVICE)
+        rotated = None
+        if q_lens == [1, 1]:  # this step's keys go in with the queries, as vLLM's decode steps
+            rotated = store_kv(b.keys[last], b.values[last], b.kv_cache, b.slot_mapping[last], b.layout, cal,
+                               query=query, query_scale=scale)
+        out = torch.full_like(query, float("nan"))
+        paged_attention(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=max(q_lens),
+                        scale=scale, out=out, key_calibration=cal, rotated_query=rotated)
+        ref = paged_attention_reference(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, scale,
+                                        key_calibration=cal)
+        assert not torch.isnan(out).any()
+        rel = (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
+        assert rel < TOLERANCE[torch.bfloat16], f"relative error {rel:.2e} for q_lens {q_lens}"
 
 
 def test_matrix_covers_the_axes():
@@ -166,6 +205,11 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,
                         out=torch.empty_like(q))
+    q = torch.randn(1, 2, 64).half().to(DEVICE)
+    cal = random_calibration(gen, 2, 64, DEVICE)
+    with pytest.raises(ValueError, match="offsets"):  # queries rotated without the calibration's offsets
+        paged_attention(q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=1, scale=1.0,
+                        out=torch.empty_like(q), key_calibration=cal, rotated_query=RotatedQuery(q, None))
 
 
 def test_decode_launch_only_where_it_was_measured_to_pay():

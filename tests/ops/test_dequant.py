@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.ops.cases import make_paged_batch, random_calibration, skip_if_refused
+from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration, skip_if_refused
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.ops import dequantize_pages
 from turboquant_vllm.ops.dequant.naive import read_kv_reference
@@ -19,13 +19,15 @@ def test_dequantize_matches_reference(preset, head_dim, block_size, dtype, calib
     seq_lens = [70, 1, 33]
     b = make_paged_batch(gen, preset, head_dim, 2, block_size, seq_lens, dtype, DEVICE)
     cal = random_calibration(gen, 2, head_dim, DEVICE) if calibrated else None
-    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout, cal)  # keys: (k - mean) / scale
+    if cal is not None:  # each sequence's first token a sink: stored uncentered, among centered ones
+        b.keys = keys_with_sinks(gen, b.keys, cal, [0, 70, 71])
+    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout, cal)
     cu = torch.tensor([0, 70, 71, 104], dtype=torch.int32, device=DEVICE)
     k, v = dequantize_pages(b.kv_cache, b.layout, b.block_table, b.seq_lens, cu, 104, 70, dtype, cal)
     assert k.dtype == v.dtype == dtype and not k.isnan().any() and not v.isnan().any()
     for i, n in enumerate(seq_lens):
-        k_ref, v_ref = read_kv_reference(b.kv_cache, b.block_table[i], n, b.layout)
-        if cal is not None:
+        k_ref, v_ref = read_kv_reference(b.kv_cache, b.block_table[i], n, b.layout, key_calibration=cal)
+        if cal is not None:  # ~ k - mean, centered or not: q . K is the calibrated score of every key
             k_ref = k_ref * cal.scale.to(k_ref.device)
         rows = slice(int(cu[i]), int(cu[i + 1]))
         # fp16 table values (2^-12), rotated back at ~fp32 accuracy, rounded to the output dtype; per row, since

@@ -7,7 +7,11 @@ from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.ops import merge_and_unrotate, rotate_queries
 from turboquant_vllm.ops.constants import kernel_constants
-from turboquant_vllm.ops.rotation.naive import merge_and_unrotate_reference, rotate_queries_reference
+from turboquant_vllm.ops.rotation.naive import (
+    merge_and_unrotate_reference,
+    query_offsets_reference,
+    rotate_queries_reference,
+)
 
 HEAD_DIMS = [64, 96, 128, 256]
 
@@ -31,11 +35,22 @@ def test_rotate_queries_matches_reference(head_dim, dtype, group, calibrated):
     cal = random_calibration(gen, kv_heads, head_dim, DEVICE) if calibrated else None
     rotation = kernel_constants(layout, DEVICE).rotation
     for out_dtype in (torch.float16, dtype):
-        ours = rotate_queries(query, layout, 0.3, cal, out_dtype)
+        ours, offset = rotate_queries(query, layout, 0.3, cal, out_dtype)
         assert ours.dtype == out_dtype and ours.is_contiguous() and not ours.isnan().any()
         ref = rotate_queries_reference(query, rotation, 0.3, cal)
         tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3}[out_dtype]  # the output's own rounding
         torch.testing.assert_close(ours.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        check_offsets(offset, query, 0.3, cal)
+
+
+def check_offsets(offset, query, scale, cal):
+    """Under a key calibration, scale * q.mean per (token, query head) in fp32; none without one."""
+    if cal is None:
+        assert offset is None
+        return
+    ref = query_offsets_reference(query, scale, cal)
+    assert offset.dtype == torch.float32 and offset.shape == query.shape[:2] and offset.is_contiguous()
+    torch.testing.assert_close(offset, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -73,7 +88,7 @@ def test_unrotate_inverts_rotation(head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     layout = layout_for(head_dim, 1)
     x = torch.randn(7, 5, head_dim, generator=gen).to(DEVICE)
-    rotated = rotate_queries(x, layout, 1.0, dtype=torch.float32)
+    rotated = rotate_queries(x, layout, 1.0, dtype=torch.float32).query
     out = torch.full((7, 5, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     # A strided out, as vLLM's output rows can be a slice.
     wide = torch.full((7, 6, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -100,9 +115,10 @@ def test_prefill_sized_inputs_match_reference(calibrated):
     query = torch.randn(531, 8, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     cal = random_calibration(gen, 2, 128, DEVICE) if calibrated else None
     rotation = kernel_constants(layout, DEVICE).rotation
-    ours = rotate_queries(query, layout, 0.5, cal, torch.float32)
+    ours, offset = rotate_queries(query, layout, 0.5, cal, torch.float32)
     ref = rotate_queries_reference(query, rotation, 0.5, cal)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    check_offsets(offset, query, 0.5, cal)
     out = torch.full(query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
     unrotate(ours, out, layout)
     expected = (ref @ rotation).to(torch.bfloat16)

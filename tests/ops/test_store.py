@@ -2,12 +2,12 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.ops.cases import make_paged_batch, random_calibration, skip_if_refused
+from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration, skip_if_refused
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.quantizer import Quantizer
 from turboquant_vllm.ops import store_kv
 from turboquant_vllm.ops.constants import kernel_constants
-from turboquant_vllm.ops.rotation.naive import rotate_queries_reference
+from turboquant_vllm.ops.rotation.naive import query_offsets_reference, rotate_queries_reference
 from turboquant_vllm.ops.store.naive import store_kv_reference
 from turboquant_vllm.ops.store.store import STORE_LARGE_BATCH, store_block_tokens
 
@@ -33,6 +33,8 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
     block_size = [16, 32][head_dim % 3 == 0]
     batch = make_paged_batch(gen, preset, head_dim, 2, block_size, [37, 5], dtype, DEVICE)
     cal = random_calibration(gen, 2, head_dim, DEVICE) if calibrated else None
+    if cal is not None:  # each sequence's first token a sink, stored uncentered (negative norm)
+        batch.keys = keys_with_sinks(gen, batch.keys, cal, [0, 37])
     slots = batch.slot_mapping.clone()
     slots[3] = -1  # skipped token: its slot keeps the poison
     ours, ref = batch.kv_cache.clone(), batch.kv_cache.clone()
@@ -47,7 +49,7 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
     diff = (ours != ref)[:, :, codes]
     if diff.any():
         # A differing code must belong to a coordinate within fp32 rounding of a decision boundary.
-        keys = batch.keys if cal is None else cal.keys(batch.keys)
+        keys = batch.keys if cal is None else cal.choose_keys(batch.keys)[0]
         loose = near_boundary_bytes(keys, lay, lay.preset.k_bits).any() or near_boundary_bytes(
             batch.values, lay, lay.preset.v_bits
         ).any()
@@ -67,6 +69,12 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
         assert same.float().mean() > 0.9
         n_ours, n_ref = (records(c, norm_off, 4).contiguous().view(torch.float32)[..., 0] for c in (ours, ref))
         torch.testing.assert_close(n_ours[same], n_ref[same], rtol=2e-6, atol=0)
+        if code_off == 0 and cal is not None:  # uncentered exactly where choose_keys says, the sinks among them
+            centered = cal.choose_keys(batch.keys)[1][slots >= 0]
+            assert torch.equal(n_ours < 0, ~centered) and centered.any()
+            assert (n_ours[[0, 36]] < 0).all()  # the sinks (token 37 is live row 36: token 3 is skipped)
+        else:
+            assert (n_ours >= 0).all()
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -87,9 +95,16 @@ def test_store_rotates_the_decode_queries_in_the_same_launch(head_dim, dtype, gr
     ours = store_kv(batch.keys, batch.values, fused, batch.slot_mapping, batch.layout, cal, query=query,
                     query_scale=0.3)
     assert torch.equal(plain, fused)  # the cache is written as without the queries
-    assert ours.dtype == torch.float16 and ours.shape == query.shape and not ours.isnan().any()
+    rotated, offset = ours
+    assert rotated.dtype == torch.float16 and rotated.shape == query.shape and not rotated.isnan().any()
     ref = rotate_queries_reference(query, kernel_constants(batch.layout, DEVICE).rotation, 0.3, cal)
-    torch.testing.assert_close(ours.float(), ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())  # fp16 rounding
+    torch.testing.assert_close(rotated.float(), ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())  # fp16 rounding
+    if cal is None:
+        assert offset is None
+    else:
+        ref = query_offsets_reference(query, 0.3, cal)
+        assert offset.shape == query.shape[:2] and offset.dtype == torch.float32
+        torch.testing.assert_close(offset, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     with pytest.raises(ValueError, match="query must be"):
         store_kv(batch.keys, batch.values, fused, batch.slot_mapping, batch.layout, query=qkv[:, :3])
 

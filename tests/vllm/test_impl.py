@@ -100,6 +100,9 @@ def test_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatc
         sliding_window=impl.sliding_window, softcap=impl.softcap, key_calibration=impl.key_calibration,
     )
     torch.testing.assert_close(output[:n_real].float(), expected, atol=2e-2, rtol=2e-2)
+    # Calibrated keys are stored centered or not, whichever is shorter (a negative norm): both occur here.
+    key_norms = kv_cache[:, :, layout.key_norm_offset : layout.value_code_offset].contiguous().view(torch.float32)
+    assert ((key_norms < 0).any() and (key_norms > 0).any()) if calibrated else (key_norms >= 0).all()
 
 
 def test_each_layer_takes_its_own_calibration(vllm_config, monkeypatch, tmp_path):

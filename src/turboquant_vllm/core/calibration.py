@@ -10,6 +10,13 @@ For one query, q.k and (q * s).((k - m) / s) differ by q.m, the same for every k
   E[(k_c - m_c)^2] / s_c^2 * E[q_c^2] s_c^2 balanced over channels gives
   s_c = (E[(k_c - m_c)^2] / E[q_c^2]) ^ (1/4) (Cauchy-Schwarz), normalized to geometric mean 1.
 
+Sink-aware centering: attention-sink keys (often a sequence's first token, which many heads attend to most) have a
+small norm and lie far from the mean, so (k - m) / s is large for them and so is its quantization error, where
+attention concentrates. Per token the cache therefore keeps whichever of (k - m) / s and k / s is shorter, the
+uncentered ones marked by a negative stored norm (free in bytes). q.k = (q * s).(k / s): for those the score
+lacks the -q.m the centered ones carry, which the kernels subtract (KeyCalibration.query_offsets), so every key's
+score is q.k - q.m again.
+
 Statistics come from a run over calibration text (``turboquant-vllm calibrate``), are fitted here
 and saved as safetensors: tensors ``<layer>.key_mean`` and ``<layer>.key_scale``, (kv_heads, head_dim)
 fp32, one pair per attention layer, named as vLLM names the layer.
@@ -20,11 +27,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from .quantizer import Quantizer
+
 FORMAT = "turboquant-key-calibration/1"
 _MEAN, _SCALE = "key_mean", "key_scale"
+# Magnitude floor of an uncentered key's stored norm: negated, even a zero key's norm reads as uncentered.
+MIN_UNCENTERED_NORM = 2.0**-100
 
 
 @dataclass(frozen=True)
@@ -52,14 +65,53 @@ class KeyCalibration:
         return self.mean.shape[1]
 
     def keys(self, key: torch.Tensor) -> torch.Tensor:
-        """What the cache quantizes: (key - mean) / scale, key (tokens, kv_heads, head_dim) -> fp32."""
+        """The centered keys (key - mean) / scale, key (tokens, kv_heads, head_dim) -> fp32 (see choose_keys)."""
         return (key.float() - self.mean.to(key.device)) / self.scale.to(key.device)
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """mean / scale (kv_heads, head_dim): a centered key is its uncentered one minus this."""
+        return self.mean / self.scale
+
+    def choose_keys(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the shorter of (key - mean) / scale and key / scale, fp32 (tokens, kv_heads, head_dim); whether it is the
+        centered one, bool (tokens, kv_heads)) for key (tokens, kv_heads, head_dim); a tie takes the centered one."""
+        centered = self.keys(key)
+        uncentered = key.float() / self.scale.to(key.device)
+        keep = centered.square().sum(-1) <= uncentered.square().sum(-1)
+        return torch.where(keep[..., None], centered, uncentered), keep
+
+    def quantize(self, quantizer: Quantizer, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the cache stores of key (tokens, kv_heads, head_dim): (packed codes, signed norms): choose_keys'
+        vector quantized, its norm negated (and floored at MIN_UNCENTERED_NORM) where it is uncentered."""
+        x, centered = self.choose_keys(key)
+        packed, norms = quantizer.quantize(x)
+        return packed, torch.where(centered, norms, -norms.clamp_min(MIN_UNCENTERED_NORM))
+
+    def dequantize(self, quantizer: Quantizer, packed: torch.Tensor, norms: torch.Tensor,
+                   rotated: bool = False) -> torch.Tensor:
+        """Stored keys back as centered ones, (key - mean) / scale up to the quantization error, fp32 (tokens,
+        kv_heads, head_dim); rotated: in the cache's rotated basis."""
+        offset = self.offset.to(packed.device)
+        if rotated:
+            x = quantizer.dequantize_rotated(packed, norms.abs())
+            offset = offset @ quantizer.rotation(packed.device).T
+        else:
+            x = quantizer.dequantize(packed, norms.abs())
+        return x - (norms < 0).unsqueeze(-1) * offset
 
     def queries(self, query: torch.Tensor) -> torch.Tensor:
         """query (tokens, q_heads, head_dim) -> query * scale of its KV head, fp32."""
         tokens, q_heads, dim = query.shape
         grouped = query.float().view(tokens, self.num_kv_heads, q_heads // self.num_kv_heads, dim)
         return (grouped * self.scale.to(query.device)[:, None, :]).view(tokens, q_heads, dim)
+
+    def query_offsets(self, query: torch.Tensor) -> torch.Tensor:
+        """q.mean of its KV head (tokens, q_heads) fp32: what an uncentered key's score (q * scale).(k / scale)
+        exceeds the centered score by (= (R (q * scale)).(R mean / scale) in the rotated basis)."""
+        tokens, q_heads, dim = query.shape
+        grouped = query.float().view(tokens, self.num_kv_heads, q_heads // self.num_kv_heads, dim)
+        return (grouped * self.mean.to(query.device)[:, None, :]).sum(-1).view(tokens, q_heads)
 
     def heads(self, start: int, count: int) -> "KeyCalibration":
         """The slice for KV heads [start, start + count) (a tensor-parallel rank's heads)."""

@@ -5,9 +5,10 @@ token (fp32 math, cast to the model's dtype); the reconstruction is kept alongsi
 tokens only, so a decode step quantizes and dequantizes its own token and nothing else. ``nbytes()`` counts the codes
 and norms (the stored format), not that working copy.
 
-With a key calibration (core.calibration) the cache quantizes (k - mean) / scale and gives attention
-k_hat * scale + mean. vLLM's kernel attends to k_hat with q * scale instead, which shifts every score of a query by the
-same q.mean: softmax is identical, so the two compute the same attention.
+With a key calibration (core.calibration) the cache quantizes, per token, the shorter of (k - mean) / scale and
+k / scale (the latter's norm stored negated) and gives attention k_hat * scale, plus mean for the centered ones.
+vLLM's kernel attends to k_hat with q * scale instead and subtracts q.mean from the uncentered ones' scores, which
+shifts every score of a query by the same q.mean: softmax is identical, so the two compute the same attention.
 
 A layer may also be stored unquantized (preset "bf16" in ``layer_presets``): it keeps the model's tensors as they
 are, exactly as DynamicCache does.
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..core.calibration import KeyCalibration
+from ..core.calibration import MIN_UNCENTERED_NORM, KeyCalibration
 from ..core.presets import DEFAULT_PRESET, Preset, get_preset
 from ..core.quantizer import Quantizer
 
@@ -93,18 +94,24 @@ class TurboQuantLayer(CacheLayerMixin):
             self.calibration = self.calibration.to(self.device)
         self.is_initialized = True
 
-    def _store(self, quantizer: Quantizer, xs: tuple[torch.Tensor, ...], slots: tuple[int, ...]
-               ) -> tuple[torch.Tensor, ...]:
+    def _store(self, quantizer: Quantizer, xs: tuple[torch.Tensor, ...], slots: tuple[int, ...],
+               uncentered: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Quantize the fp32 tensors xs (one shape) in one pass, append each one's codes and norms at slots slot and
-        slot + 1 of its slot; return their reconstructions (fp32)."""
+        slot + 1 of its slot; return their reconstructions (fp32). uncentered (xs[0]'s shape but head_dim): the keys
+        whose stored norm is negated (core.calibration's format)."""
         x = torch.stack(xs)
         # Rows of one 2-D matrix, and K with V when their bits agree: each matmul or small op of a decode step is a
         # thread-pool round trip, which costs most of the step on a busy CPU
         codes, norms = quantizer.quantize(x.reshape(-1, x.shape[-1]))
+        recon = quantizer.dequantize(codes, norms).view(x.shape).unbind(0)
+        norms = norms.view(x.shape[:-1])
+        if uncentered is not None:
+            norms = torch.cat([torch.where(uncentered, -norms[0].clamp_min(MIN_UNCENTERED_NORM), norms[0])[None],
+                               norms[1:]])
         for i, slot in enumerate(slots):
             self._stored[slot].append(codes.view(*x.shape[:-1], -1)[i])
-            self._stored[slot + 1].append(norms.view(x.shape[:-1])[i])
-        return quantizer.dequantize(codes, norms).view(x.shape).unbind(0)
+            self._stored[slot + 1].append(norms[i])
+        return recon
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,15 +124,17 @@ class TurboQuantLayer(CacheLayerMixin):
             return self.keys, self.values
         cal = self.calibration
         k, v = key_states.detach().float(), value_states.detach().float()
+        uncentered = None
         if cal is not None:  # KeyCalibration works on (..., kv_heads, head_dim): heads next to head_dim, and back
-            k = cal.keys(k.transpose(1, 2)).transpose(1, 2)
+            x, centered = cal.choose_keys(k.transpose(1, 2))
+            k, uncentered = x.transpose(1, 2), ~centered.transpose(1, 2)
         if self.key_quantizer == self.value_quantizer:
-            k_hat, v_hat = self._store(self.key_quantizer, (k, v), (0, 3))
+            k_hat, v_hat = self._store(self.key_quantizer, (k, v), (0, 3), uncentered)
         else:
-            (k_hat,), (v_hat,) = (self._store(self.key_quantizer, (k,), (0,)),
+            (k_hat,), (v_hat,) = (self._store(self.key_quantizer, (k,), (0,), uncentered),
                                   self._store(self.value_quantizer, (v,), (3,)))
         if cal is not None:
-            k_hat = (k_hat.transpose(1, 2) * cal.scale + cal.mean).transpose(1, 2)
+            k_hat = (k_hat.transpose(1, 2) * cal.scale + centered[..., None] * cal.mean).transpose(1, 2)
         self.keys, self.values = key_out.append(k_hat.to(self.dtype)), value_out.append(v_hat.to(self.dtype))
         return self.keys, self.values
 

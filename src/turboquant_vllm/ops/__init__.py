@@ -12,13 +12,13 @@ constants.py the device tables per layout, warmup.py the compile-before-serving 
 
 from .attention import attention_workspace_shape, decode_launch, decode_num_splits, paged_attention
 from .dequant import dequantize_pages
-from .rotation import merge_and_unrotate, rotate_queries
+from .rotation import RotatedQuery, merge_and_unrotate, rotate_queries
 from .store import store_kv
 from .warmup import warm_up
 
 __all__ = [
-    "attention_workspace_shape", "decode_launch", "decode_num_splits", "dequantize_pages", "merge_and_unrotate",
-    "paged_attention", "rotate_queries", "store_kv", "triton_kernels", "warm_up",
+    "RotatedQuery", "attention_workspace_shape", "decode_launch", "decode_num_splits", "dequantize_pages",
+    "merge_and_unrotate", "paged_attention", "rotate_queries", "store_kv", "triton_kernels", "warm_up",
 ]
 
 

@@ -8,6 +8,8 @@ outputs once after (merging the splits there); the inner loop is load codes -> u
 the norms applied to the scores (keys) and to the exponents (values: log2 of the norm), never per element. 4-bit
 keys decode to int8 (one byte permute per 4 codes; the codebook lies on an int8 grid: core.codebook.codebook) and
 meet the queries' int8 hi / lo parts in exact integer MMAs; values decode to fp16.
+Under a key calibration a negative key norm marks a key stored uncentered (core.calibration): its score is taken
+with the norm's magnitude, minus its query's offset (ops.rotation.RotatedQuery.offset), one load per query row.
 
 Two kernels: decode.py (one query token per sequence, one-warp programs, every preset but 5-bit keys) and
 general.py (tiles of query tokens, all query heads of one KV head per program, so each compressed byte is read
@@ -22,7 +24,7 @@ import torch
 from ...core.calibration import KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..rotation import merge_and_unrotate, rotate_queries
+from ..rotation import RotatedQuery, merge_and_unrotate, rotate_queries
 from ..utils import INTERPRETED, check_cache, check_calibration, check_dtype, check_index, next_pow2, page_constants
 from .decode import _decode_kernel
 from .general import _attention_kernel
@@ -56,14 +58,15 @@ def paged_attention(
     num_stages: int | None = None,
     key_calibration: KeyCalibration | None = None,
     max_registers: int | None = None,
-    rotated_query: torch.Tensor | None = None,
+    rotated_query: RotatedQuery | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
     key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice): None takes decode_launch's choice
-    for decode, the general kernel's otherwise. rotated_query: the query already in the cache's basis, as
-    store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch fewer).
+    for decode, the general kernel's otherwise. rotated_query: the query already in the cache's basis (and its
+    offsets under the key calibration), as store_kv(..., query=query, query_scale=scale) returns it with the step's
+    keys (one launch fewer).
     validate=False: the caller has checked kv_cache against layout already (the vLLM backend, once per forward)."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)
@@ -110,14 +113,18 @@ def paged_attention(
     # MMA operands are fp16 whatever the model dtype (3 more mantissa bits than bf16, same speed), but for
     # 4-bit keys: int8 keys and int8 hi / lo parts of the queries (exact products, see the kernel).
     if rotated_query is None:
-        q_rot = rotate_queries(query, layout, scale, key_calibration, torch.float16)
-    elif rotated_query.shape != query.shape or rotated_query.dtype != torch.float16 or rotated_query.stride(2) != 1:
+        rotated_query = rotate_queries(query, layout, scale, key_calibration, torch.float16)
+    q_rot, q_offset = rotated_query
+    if q_rot.shape != query.shape or q_rot.dtype != torch.float16 or q_rot.stride(2) != 1:
         raise ValueError(f"rotated_query must be float16 of the query's shape {tuple(query.shape)}")
-    else:
-        q_rot = rotated_query
+    if (q_offset is None) != (key_calibration is None) or q_offset is not None and (
+            q_offset.shape != query.shape[:2] or q_offset.dtype != torch.float32 or not q_offset.is_contiguous()):
+        raise ValueError("rotated_query must carry contiguous float32 offsets of shape (tokens, q_heads) exactly "
+                         "when the keys are calibrated")
     common = dict(
         NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, **page_constants(layout),
-        USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), UPCAST=INTERPRETED,
+        USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), CALIBRATED=key_calibration is not None,
+        UPCAST=INTERPRETED,
         K_ASM="" if INTERPRETED else c.key_mma_asm, V_ASM="" if INTERPRETED else c.value_lookup_asm,
         num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )
@@ -125,16 +132,18 @@ def paged_attention(
     strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
     if per_warp:
         _decode_kernel[(num_seqs, layout.num_kv_heads, num_splits)](
-            q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
-            part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
+            q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
+            c.value_values[torch.float16], part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0),
+            c.key_int8_step,
             ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, V_CHUNKS=2 if head_dim > 64 else 1,
             **common,
         )
     else:
         grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
         _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
-            q_rot, kv_cache, block_table, query_start_loc, seq_lens, k_table, c.value_values[torch.float16],
-            part_acc, part_ml, num_seqs, *strides, sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
+            q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
+            c.value_values[torch.float16], part_acc, part_ml, num_seqs, *strides, sliding_window or 0,
+            float(softcap or 0.0), c.key_int8_step,
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DECODE_ONLY=decode_only,
             **common,
         )

@@ -11,14 +11,14 @@ from .tiles import int8_query, int_mma, query_halves, value_norm_terms
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width: one compile for all (ops.warmup)
 def _decode_kernel(
-    q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr, part_acc_ptr, part_ml_ptr,
-    stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
+    q_ptr, q_offset_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr, part_acc_ptr,
+    part_ml_ptr, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, WARP_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_CHUNKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr,
     V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, CALIBRATED: tl.constexpr, UPCAST: tl.constexpr,
     K_ASM: tl.constexpr, V_ASM: tl.constexpr,
 ):
     """Decode (one query token per sequence): each warp runs its own online softmax over its own tokens, so the
@@ -31,6 +31,7 @@ def _decode_kernel(
     the values' MMA is transposed, acc^T = V^T p^T, so p^T is the score tile's own registers (no shared memory)
     and the value codes load straight into the operand's (coordinate, token) order. The value tile decodes in
     V_CHUNKS pieces of the head dimension: fewer live registers. The warps' partials merge once at the end.
+    CALIBRATED: keys stored with a key calibration; an uncentered one (negative norm) loses its query's offset.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,6 +62,9 @@ def _decode_kernel(
         q_even, q_odd = query_halves(q_row[:, None], row_ok, K_BITS, HEAD_DIM, DH)
         q_even = tl.broadcast_to(q_even[None, :, :], (WARPS, ROWS, DH))
         q_odd = tl.broadcast_to(q_odd[None, :, :], (WARPS, ROWS, DH))
+    if CALIBRATED:  # in score units: the scale of q_gain / k_norm * SCORE_UNIT below
+        q_offset = tl.load(q_offset_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
+        q_offset = (q_offset * SCORE_UNIT)[None, :, None]
 
     kv_lo = 0
     if USE_WINDOW:
@@ -86,6 +90,9 @@ def _decode_kernel(
                                   BLOCK_SIZE)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
+        if CALIBRATED:  # a negative norm marks an uncentered key (core.calibration)
+            k_uncentered = (k_norm < 0).to(tl.float32)[:, None, :]
+            k_norm = tl.abs(k_norm)
         k_rec = (page + off * K_CODE_BYTES)[:, None, :]
         if K_BITS == 4:
             ka, kb = load_int8_quads(cache_ptr, k_rec, n_ok[:, None, :], k_lut_ptr, K_ASM, HEAD_DIM, D_PAD, AXIS=1)
@@ -97,6 +104,8 @@ def _decode_kernel(
                                         AXIS=1)
             s = mma(q_even, k_even, tl.zeros((WARPS, ROWS, WARP_N), tl.float32), UPCAST)
             s = mma(q_odd, k_odd, s, UPCAST) * (k_norm * SCORE_UNIT)[:, None, :]
+        if CALIBRATED:
+            s -= q_offset * k_uncentered
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E  # softcap * tanh(s / softcap)
         v_norm = tl.load((cache_ptr + page + V_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,

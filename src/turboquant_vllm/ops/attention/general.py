@@ -13,7 +13,7 @@ from .tiles import int8_query, int_mma, query_halves, value_norm_terms
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
             do_not_specialize_on_alignment=["block_table_ptr", "qsl_ptr", "seq_lens_ptr"])
 def _attention_kernel(
-    q_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
+    q_ptr, q_offset_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
     part_acc_ptr, part_ml_ptr,
     num_seqs, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -21,7 +21,7 @@ def _attention_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, CALIBRATED: tl.constexpr, UPCAST: tl.constexpr,
     K_ASM: tl.constexpr, V_ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -65,6 +65,9 @@ def _attention_kernel(
         qa_hi, qb_hi, qa_lo, qb_lo, q_gain, q_half = int8_query(q_row, row_ok, k_step, HEAD_DIM, DH, SCORE_UNIT)
     else:
         q_even, q_odd = query_halves(q_row, row_ok, K_BITS, HEAD_DIM, DH)
+    if CALIBRATED:  # subtracted from the scores of uncentered keys (core.calibration), in score units
+        q_offset = tl.load(q_offset_ptr + token * NUM_Q_HEADS + head, mask=row_ok, other=0.0)
+        q_offset = (q_offset * SCORE_UNIT)[:, None]
     q_pos = ctx_len + q_idx  # absolute position of each row's query token
 
     last_q = tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -89,6 +92,9 @@ def _attention_kernel(
                                   BLOCK_SIZE)
         k_norm = tl.load((cache_ptr + page + K_NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok,
                          other=0.0)
+        if CALIBRATED:  # a negative norm marks an uncentered key
+            k_uncentered = (k_norm < 0).to(tl.float32)[None, :]
+            k_norm = tl.abs(k_norm)
         if K_BITS == 4:
             ka, kb = load_int8_quads(cache_ptr, (page + off * K_CODE_BYTES)[:, None], n_ok[:, None], k_lut_ptr, K_ASM,
                                      HEAD_DIM, D_PAD)
@@ -102,6 +108,8 @@ def _attention_kernel(
                                         K_ASM, K_BITS, HEAD_DIM, DH)
             s = mma(q_even, tl.trans(k_even), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), UPCAST)
             s = mma(q_odd, tl.trans(k_odd), s, UPCAST) * (k_norm * SCORE_UNIT)[None, :]
+        if CALIBRATED:
+            s -= q_offset * k_uncentered
         if USE_SOFTCAP:
             s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * LOG2E  # softcap * tanh(s / softcap)
         if DECODE_ONLY:  # the one query is the last token: n < end is the causal mask

@@ -31,7 +31,7 @@ def paged_attention_reference(
 
     The query tokens of sequence i are the last ones of its seq_lens[i] tokens (vLLM's varlen
     convention); the cache already holds all of them. With the key calibration the cache was stored
-    with, queries are scaled to match the calibrated keys (see core.calibration).
+    with, queries are scaled to match the calibrated keys, read back as centered ones (see core.calibration).
     """
     if key_calibration is not None:
         query = key_calibration.queries(query)
@@ -44,7 +44,7 @@ def paged_attention_reference(
         if n_q == 0:
             continue
         blocks = block_table[i, : math.ceil(seq_len / layout.block_size)]
-        k, v = read_kv_reference(kv_cache, blocks, seq_len, layout)
+        k, v = read_kv_reference(kv_cache, blocks, seq_len, layout, key_calibration=key_calibration)
         k = k.repeat_interleave(group, dim=1)  # (seq_len, q_heads, d)
         v = v.repeat_interleave(group, dim=1)
         s = torch.einsum("qhd,khd->hqk", q, k) * scale

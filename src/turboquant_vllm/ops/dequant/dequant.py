@@ -1,13 +1,13 @@
 """Dequantize the pages of some sequences into contiguous K/V in the model's basis.
 
-Reference: naive.read_kv_reference, keys times the key calibration's scale.
+Reference: naive.read_kv_reference, keys (read back as centered ones) times the key calibration's scale.
 
 Long prefills are compute-bound: there it pays to expand the compressed context once per step and
 hand it to a dense attention kernel (the vLLM backend uses FlashAttention), instead of re-decoding
 the codes for every tile of query tokens. Leaving the rotated basis here, on the context's
 KV heads' rows, spares rotating every query head in and every output out (2 x group x the rows,
 for a prefill without a cached prefix), so attention takes the model's queries and writes its
-output as they are. With the key calibration, keys come back times its scale: q . K is then
+output as they are. With the key calibration, keys come back as centered ones times its scale: q . K is then
 exactly the calibrated score (q * scale) . (k - mean) / scale (see core.calibration).
 """
 
@@ -36,14 +36,19 @@ from ..utils import (
 
 
 @triton.jit
-def _expand(cache_ptr, page, off, n_ok, lut_ptr, rot_ptr, scale_ptr, out_ptr, row, head, stride_ot, stride_oh,
+def _expand(cache_ptr, page, off, n_ok, lut_ptr, rot_ptr, mean_ptr, scale_ptr, out_ptr, row, head, stride_ot,
+            stride_oh,
             SCALED: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr, CODE_OFF: tl.constexpr,
             CODE_BYTES: tl.constexpr, NORM_OFF: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, INTERPRET: tl.constexpr):
-    """out[row] = (norm * value[code]) @ R (times the key scale if SCALED) for BLOCK_N records."""
+    """out[row] = (norm * value[code]) @ R for BLOCK_N records; SCALED (calibrated keys): times the key scale, and
+    a negative norm (an uncentered key, core.calibration) taken by magnitude, minus the key mean."""
     even, odd = load_halves(cache_ptr, (page + CODE_OFF + off * CODE_BYTES)[:, None], n_ok[:, None], lut_ptr,
                             ASM, BITS, HEAD_DIM, D_PAD // 2)
     norm = tl.load((cache_ptr + page + NORM_OFF + off * 4).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+    if SCALED:
+        uncentered = (norm < 0)[:, None]
+        norm = tl.abs(norm)
     i = pair_index(tl.arange(0, D_PAD // 2), BITS, HEAD_DIM)  # the pair of coordinates even / odd hold
     for j0 in tl.static_range(0, D_PAD, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
@@ -56,6 +61,8 @@ def _expand(cache_ptr, page, off, n_ok, lut_ptr, rot_ptr, scale_ptr, out_ptr, ro
         x = acc * norm[:, None]
         if SCALED:
             x *= tl.load(scale_ptr + head * HEAD_DIM + j, mask=j < HEAD_DIM, other=0.0)[None, :]
+            x -= tl.where(uncentered, tl.load(mean_ptr + head * HEAD_DIM + j, mask=j < HEAD_DIM, other=0.0)[None, :],
+                          0.0)
         tl.store(out_ptr + row[:, None] * stride_ot + head * stride_oh + j[None, :],
                  round_to(x, out_ptr.dtype.element_ty, INTERPRET), mask=n_ok[:, None] & (j[None, :] < HEAD_DIM))
 
@@ -64,8 +71,8 @@ def _expand(cache_ptr, page, off, n_ok, lut_ptr, rot_ptr, scale_ptr, out_ptr, ro
 @triton.jit(do_not_specialize=["stride_bt"],
             do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_k_ptr"])
 def _dequant_kernel(
-    cache_ptr, block_table_ptr, seq_lens_ptr, cu_k_ptr, k_lut_ptr, v_lut_ptr, rot_ptr, key_scale_ptr, k_out_ptr,
-    v_out_ptr, stride_bt, stride_cblock, stride_chead, stride_ot, stride_oh,
+    cache_ptr, block_table_ptr, seq_lens_ptr, cu_k_ptr, k_lut_ptr, v_lut_ptr, rot_ptr, key_mean_ptr, key_scale_ptr,
+    k_out_ptr, v_out_ptr, stride_bt, stride_cblock, stride_chead, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr,
     V_CODE_BYTES: tl.constexpr, K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
@@ -82,10 +89,12 @@ def _dequant_kernel(
     page, off = locate_tokens(block_table_ptr + seq * stride_bt, n, n_ok, stride_cblock, head * stride_chead,
                               BLOCK_SIZE)
     row = tl.load(cu_k_ptr + seq) + n
-    _expand(cache_ptr, page, off, n_ok, k_lut_ptr, rot_ptr, key_scale_ptr, k_out_ptr, row, head, stride_ot, stride_oh,
-            CALIBRATED, K_ASM, K_BITS, 0, K_CODE_BYTES, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_J, INTERPRET)
-    _expand(cache_ptr, page, off, n_ok, v_lut_ptr, rot_ptr, key_scale_ptr, v_out_ptr, row, head, stride_ot, stride_oh,
-            False, V_ASM, V_BITS, V_CODE_OFF, V_CODE_BYTES, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N, BLOCK_J, INTERPRET)
+    _expand(cache_ptr, page, off, n_ok, k_lut_ptr, rot_ptr, key_mean_ptr, key_scale_ptr, k_out_ptr, row, head,
+            stride_ot, stride_oh, CALIBRATED, K_ASM, K_BITS, 0, K_CODE_BYTES, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_N,
+            BLOCK_J, INTERPRET)
+    _expand(cache_ptr, page, off, n_ok, v_lut_ptr, rot_ptr, key_mean_ptr, key_scale_ptr, v_out_ptr, row, head,
+            stride_ot, stride_oh, False, V_ASM, V_BITS, V_CODE_OFF, V_CODE_BYTES, V_NORM_OFF, HEAD_DIM, D_PAD,
+            BLOCK_N, BLOCK_J, INTERPRET)
 
 
 def dequantize_pages(
@@ -101,9 +110,10 @@ def dequantize_pages(
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V (total_tokens, kv_heads, head_dim) of `dtype` in the model's basis, sequence i at rows cu_seqlens_k[i]:.
-    With the key calibration the cache was stored with, K is scale * the cached (k - mean) / scale: q . K then
-    equals the calibrated score (q * scale) . (k - mean) / scale. validate=False: the caller has checked kv_cache
-    against layout already (the vLLM backend, once per forward)."""
+    With the key calibration the cache was stored with, K is scale * the cached keys read back as centered ones
+    (k - mean) / scale (core.calibration.KeyCalibration.dequantize), ~ k - mean: q . K then equals the calibrated
+    score (q * scale) . (k - mean) / scale of every key, centered or not. validate=False: the caller has checked
+    kv_cache against layout already (the vLLM backend, once per forward)."""
     if validate:
         check_cache(kv_cache, layout)
     check_dtype("dtype", torch.empty(0, dtype=dtype))
@@ -118,11 +128,13 @@ def dequantize_pages(
     if total_tokens == 0 or num_seqs == 0:
         return k, v
     c = kernel_constants(layout, kv_cache.device)
+    # any valid pointers without a calibration
+    key_mean, key_scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (c.rotation, c.rotation)
     block_n, d_pad = 64, next_pow2(layout.head_dim)
     grid = (triton.cdiv(max_seq_len, block_n), num_seqs, layout.num_kv_heads)
     _dequant_kernel[grid](
         kv_cache, block_table, seq_lens, cu_seqlens_k, c.key_values[torch.float16], c.value_values[torch.float16],
-        c.rotation_fp16, c.rotation if key_calibration is None else key_calibration.scale, k, v,
+        c.rotation_fp16, key_mean, key_scale, k, v,
         block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), k.stride(0), k.stride(1),
         BLOCK_N=block_n, BLOCK_J=min(64, d_pad), **page_constants(layout),
         CALIBRATED=key_calibration is not None, K_ASM="" if INTERPRETED else c.key_lookup_asm,

@@ -18,6 +18,12 @@ def rotate_queries_reference(
     return (q @ rotation.T) * scale
 
 
+def query_offsets_reference(query: torch.Tensor, scale: float, key_calibration: KeyCalibration) -> torch.Tensor:
+    """What the attention kernels subtract from an uncentered key's score (tokens, q_heads) fp32: the rotated query
+    times R mean / scale, = scale * q.mean (core.calibration)."""
+    return key_calibration.query_offsets(query) * scale
+
+
 def merge_and_unrotate_reference(part_acc: torch.Tensor, part_ml: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Merge split-KV partials and leave the rotated basis, fp32: part_acc (rows, splits, d) unnormalized
     outputs, part_ml (rows, 2, splits) log2-domain row maxima and row sums; rows without keys give 0."""

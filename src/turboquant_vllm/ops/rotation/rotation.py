@@ -1,7 +1,8 @@
 """Into and out of the cache's rotated basis: queries before paged attention, outputs after.
 
-References: naive.rotate_queries_reference ((q * key scale) @ R.T * scale) and
-merge_and_unrotate_reference (the split merge, then @ R), R being core.rotation's matrix (fp32).
+References: naive.rotate_queries_reference ((q * key scale) @ R.T * scale), naive.query_offsets_reference
+(q.key mean * scale, under a key calibration) and merge_and_unrotate_reference (the split merge, then @ R), R being
+core.rotation's matrix (fp32).
 
 Each direction is one launch that also does what used to be separate torch ops around it (the
 key calibration's query scale, the softmax scale, the split merge, the casts): a decode step has
@@ -11,6 +12,8 @@ bits one TF32 operand drops).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -40,11 +43,13 @@ def matrix_rows(m_ptr, k0, stride_k, stride_j, BLOCK_K: tl.constexpr, HEAD_DIM: 
 
 
 @triton.jit
-def rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, cal_base, CALIBRATION: tl.constexpr,
+def rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, cal_base, center, CALIBRATION: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """(x @ R.T, sum of x^2) in fp32 for the rows x at src_ptr + row_base ((BLOCK_R, 1) offsets), masked by valid.
-    CALIBRATION 0: x = the rows; 1 (keys under a key calibration): (rows - mean) / scale; 2 (queries under one):
-    rows * scale; mean and scale rows at mean_ptr / scale_ptr + cal_base (broadcasting over the rows)."""
+    CALIBRATION 0: x = the rows; 1 (keys under a key calibration): (rows - mean) / scale where center ((BLOCK_R,)
+    bool), rows / scale elsewhere; 2 (queries under one): rows * scale, and the second result is rows.mean instead
+    (core.calibration's query offset); mean and scale rows at mean_ptr / scale_ptr + cal_base (broadcasting over
+    the rows)."""
     sq = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
     for k0 in tl.static_range(0, D_PAD, BLOCK_K):
@@ -54,33 +59,58 @@ def rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, cal_base
         if CALIBRATION == 1:
             mean = tl.load(mean_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0)
             scale = tl.load(scale_ptr + cal_base + k, mask=k < HEAD_DIM, other=1.0)
-            x = tl.where(ok, (x - mean) / scale, 0.0)
+            x = tl.where(ok, (x - tl.where(center[:, None], mean, 0.0)) / scale, 0.0)
         elif CALIBRATION == 2:
+            sq += tl.sum(x * tl.load(mean_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0), axis=1)
             x *= tl.load(scale_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0)
-        sq += tl.sum(x * x, axis=1)
+        if CALIBRATION != 2:
+            sq += tl.sum(x * x, axis=1)
         acc = tl.dot(x, matrix_rows(rot_ptr, k0, 1, HEAD_DIM, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
     return acc, sq
+
+
+@triton.jit
+def center_keys(src_ptr, row_base, valid, mean_ptr, scale_ptr, cal_base, HEAD_DIM: tl.constexpr,
+                D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Whether each key row is stored centered: ||(row - mean) / scale|| <= ||row / scale||
+    (core.calibration.KeyCalibration.choose_keys); the CALIBRATION 1 center of rotate_rows."""
+    sq_c = tl.zeros((BLOCK_R,), tl.float32)
+    sq_u = tl.zeros((BLOCK_R,), tl.float32)
+    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        ok = valid[:, None] & (k < HEAD_DIM)
+        x = tl.load(src_ptr + row_base + k, mask=ok, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0)
+        scale = tl.load(scale_ptr + cal_base + k, mask=k < HEAD_DIM, other=1.0)
+        c = tl.where(ok, (x - mean) / scale, 0.0)
+        u = x / scale
+        sq_c += tl.sum(c * c, axis=1)
+        sq_u += tl.sum(u * u, axis=1)
+    return sq_c <= sq_u
 
 
 # Row and head counts change with every batch: specializing on them would recompile mid-serving.
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads", "group"])
 def _rotate_queries_kernel(
-    q_ptr, out_ptr, rot_ptr, key_scale_ptr, num_rows, num_q_heads, group, stride_qt, stride_qh, scale,
-    CALIBRATION: tl.constexpr,
+    q_ptr, out_ptr, offset_ptr, rot_ptr, key_mean_ptr, key_scale_ptr, num_rows, num_q_heads, group, stride_qt,
+    stride_qh, scale, CALIBRATION: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """out[row] = (q[row] * key scale of its KV head (CALIBRATION 2)) @ R.T * scale; rows are (token, query head)."""
+    """out[row] = (q[row] * key scale of its KV head (CALIBRATION 2)) @ R.T * scale; rows are (token, query head).
+    CALIBRATION 2 also writes offset[row] = q[row].key mean * scale (fp32)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     token = rows // num_q_heads
     head = rows % num_q_heads
-    acc, _ = rotate_rows(q_ptr, (token * stride_qt + head * stride_qh)[:, None], row_ok, rot_ptr, key_scale_ptr,
-                         key_scale_ptr, ((head // group) * HEAD_DIM)[:, None], CALIBRATION, HEAD_DIM, D_PAD, BLOCK_R,
-                         BLOCK_K)
+    acc, offset = rotate_rows(q_ptr, (token * stride_qt + head * stride_qh)[:, None], row_ok, rot_ptr, key_mean_ptr,
+                              key_scale_ptr, ((head // group) * HEAD_DIM)[:, None], row_ok, CALIBRATION, HEAD_DIM,
+                              D_PAD, BLOCK_R, BLOCK_K)
     j = tl.arange(0, D_PAD)
     out = round_to(acc * scale, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + j[None, :], out, mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
+    if CALIBRATION == 2:
+        tl.store(offset_ptr + rows, offset * scale, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads"])
@@ -119,28 +149,42 @@ def _merge_and_unrotate_kernel(
              mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
 
 
+class RotatedQuery(NamedTuple):
+    """Queries in the cache's basis, as paged_attention(rotated_query=...) takes them."""
+
+    query: torch.Tensor  # (tokens, q_heads, head_dim): (q * key scale) @ R.T * softmax scale
+    offset: torch.Tensor | None  # key calibration only: (tokens, q_heads) fp32 q.key mean * softmax scale, what the
+    # kernels subtract from the score of an uncentered key (core.calibration)
+
+
 def rotate_queries(
     query: torch.Tensor, layout: CacheLayout, scale: float, key_calibration: KeyCalibration | None = None,
     dtype: torch.dtype = torch.float16,
-) -> torch.Tensor:
+) -> RotatedQuery:
     """query (tokens, q_heads, head_dim) into the rotated basis, times the key calibration's scale and
-    `scale` (the inner loops then work on codes directly); a new contiguous tensor of `dtype`."""
+    `scale` (the inner loops then work on codes directly): a new contiguous tensor of `dtype`, and with the key
+    calibration the queries' offsets."""
     tokens, q_heads, head_dim = query.shape
     if query.stride(2) != 1:
         raise ValueError("query must be contiguous in head_dim")
     out = torch.empty(query.shape, dtype=dtype, device=query.device)
+    offset = None
+    if key_calibration is not None:
+        offset = torch.empty((tokens, q_heads), dtype=torch.float32, device=query.device)
     rows = tokens * q_heads
     if rows == 0:
-        return out
+        return RotatedQuery(out, offset)
     rotation = kernel_constants(layout, query.device).rotation
-    key_scale = key_calibration.scale if key_calibration is not None else rotation  # any valid pointer
+    # any valid pointers without a calibration
+    key_mean, key_scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (rotation, rotation)
     block_r, warps = launch_shape(rows, head_dim)
     _rotate_queries_kernel[(triton.cdiv(rows, block_r),)](
-        query, out, rotation, key_scale, rows, q_heads, q_heads // layout.num_kv_heads, query.stride(0),
-        query.stride(1), float(scale), CALIBRATION=2 if key_calibration is not None else 0, HEAD_DIM=head_dim,
+        query, out, out if offset is None else offset, rotation, key_mean, key_scale, rows, q_heads,
+        q_heads // layout.num_kv_heads, query.stride(0), query.stride(1), float(scale),
+        CALIBRATION=2 if key_calibration is not None else 0, HEAD_DIM=head_dim,
         D_PAD=next_pow2(head_dim), BLOCK_R=block_r, BLOCK_K=32, INTERPRET=INTERPRETED, num_warps=warps,
     )
-    return out
+    return RotatedQuery(out, offset)
 
 
 def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, out: torch.Tensor,

@@ -27,11 +27,13 @@ def store_kv_reference(
 ) -> None:
     """Quantize key/value (tokens, kv_heads, head_dim) and write each token into its slot (-1: skip).
 
-    With a key calibration the cache holds the calibrated keys (key - mean) / scale."""
+    With a key calibration the cache holds the calibrated keys: per token the shorter of (key - mean) / scale and
+    key / scale, the latter with its norm negated (KeyCalibration.quantize)."""
     kq, vq = quantizers(layout)
-    if key_calibration is not None:
-        key = key_calibration.keys(key)
-    k_codes, k_norms = kq.quantize(key)
+    if key_calibration is None:
+        k_codes, k_norms = kq.quantize(key)
+    else:
+        k_codes, k_norms = key_calibration.quantize(kq, key)
     v_codes, v_norms = vq.quantize(value)
     keep = slot_mapping[: key.shape[0]] >= 0
     slots = slot_mapping[: key.shape[0]][keep].long()

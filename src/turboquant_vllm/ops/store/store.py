@@ -13,10 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...core.calibration import KeyCalibration
+from ...core.calibration import MIN_UNCENTERED_NORM, KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..rotation.rotation import rotate_rows
+from ..rotation.rotation import RotatedQuery, center_keys, rotate_rows
 from ..utils import (
     INTERPRETED,
     check_cache,
@@ -28,6 +28,7 @@ from ..utils import (
     round_to,
 )
 
+_UNCENTERED_FLOOR = tl.constexpr(MIN_UNCENTERED_NORM)
 STORE_LARGE_BATCH = 1024  # tokens from which a store launch takes larger tiles (store_block_tokens)
 
 
@@ -52,9 +53,14 @@ def _quantize_and_store(
     BITS: tl.constexpr, CODE_BYTES: tl.constexpr, CODE_OFF: tl.constexpr, NORM_OFF: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # x (calibrated keys: (k - mean) / scale) @ R.T in fp32
-    rotated, sq = rotate_rows(src_ptr, (tok * stride_t + head * stride_h)[:, None], valid, rot_ptr, mean_ptr,
-                              scale_ptr, head * HEAD_DIM, 1 if CALIBRATED else 0, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
+    # x (calibrated keys: the shorter of (k - mean) / scale and k / scale) @ R.T in fp32
+    row_base = (tok * stride_t + head * stride_h)[:, None]
+    center = valid
+    if CALIBRATED:
+        center = center_keys(src_ptr, row_base, valid, mean_ptr, scale_ptr, head * HEAD_DIM, HEAD_DIM, D_PAD,
+                             BLOCK_T, BLOCK_K)
+    rotated, sq = rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, head * HEAD_DIM, center,
+                              1 if CALIBRATED else 0, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
     norm = tl.sqrt(sq)
     dims = tl.arange(0, D_PAD)
     d_ok = valid[:, None] & (dims[None, :] < HEAD_DIM)
@@ -67,6 +73,8 @@ def _quantize_and_store(
     # Norm correction (see core.quantizer): the stored norm gives the reconstruction the exact norm.
     recon = tl.where(d_ok, tl.load(values_ptr + code), 0.0)
     norm = norm / tl.sqrt(tl.maximum(tl.sum(recon * recon, axis=1), 1e-30))  # skipped rows: any finite value
+    if CALIBRATED:  # an uncentered key: its norm negated, floored so that a zero key stays marked
+        norm = tl.where(center, norm, -tl.maximum(norm, _UNCENTERED_FLOOR))
     base = page_base + CODE_OFF + slot_off * CODE_BYTES  # (BLOCK_T,)
     # Two planes for 3 and 5 bits: the low BITS - 1 bits, then the sign bit; 2- and 3-bit planes byte-sliced
     # (core.packing.SLICED).
@@ -85,14 +93,15 @@ def _quantize_and_store(
 def _store_kv_kernel(
     key_ptr, value_ptr, rot_ptr, mean_ptr, scale_ptr, cache_ptr, slot_ptr, k_bounds_ptr, v_bounds_ptr, k_values_ptr,
     v_values_ptr, num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_cblock, stride_chead,
-    q_ptr, q_out_ptr, num_query_tokens, stride_qt, stride_qh, q_scale,
+    q_ptr, q_out_ptr, q_offset_ptr, num_query_tokens, stride_qt, stride_qh, q_scale,
     CALIBRATED: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr,
     V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr, V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Grid axis 2: 0 stores the keys of KV head program_id(1), 1 its values, 2 + g rotates its query head g
-    (of GROUP) for the first num_query_tokens tokens into q_out (contiguous (tokens, q heads, d))."""
+    (of GROUP) for the first num_query_tokens tokens into q_out (contiguous (tokens, q heads, d)), and under the key
+    calibration writes their offsets (q.mean * q_scale, (tokens, q heads) fp32) into q_offset."""
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     part = tl.program_id(2)
@@ -112,13 +121,15 @@ def _store_kv_kernel(
     elif tl.program_id(0) * BLOCK_T < num_query_tokens:  # queries are a prefix of the tokens (the decodes)
         q_head = head * GROUP + part - 2
         q_ok = tok < num_query_tokens
-        rotated, _ = rotate_rows(q_ptr, (tok * stride_qt + q_head * stride_qh)[:, None], q_ok, rot_ptr, mean_ptr,
-                                 scale_ptr, head * HEAD_DIM, 2 if CALIBRATED else 0, HEAD_DIM, D_PAD, BLOCK_T,
-                                 BLOCK_K)
+        rotated, offset = rotate_rows(q_ptr, (tok * stride_qt + q_head * stride_qh)[:, None], q_ok, rot_ptr,
+                                      mean_ptr, scale_ptr, head * HEAD_DIM, q_ok, 2 if CALIBRATED else 0, HEAD_DIM,
+                                      D_PAD, BLOCK_T, BLOCK_K)
         j = tl.arange(0, D_PAD)[None, :]
         out = round_to(rotated * q_scale, q_out_ptr.dtype.element_ty, INTERPRET)
-        tl.store(q_out_ptr + (tok * (GROUP * tl.num_programs(1)) + q_head)[:, None] * HEAD_DIM + j, out,
-                 mask=q_ok[:, None] & (j < HEAD_DIM))
+        q_row = tok * (GROUP * tl.num_programs(1)) + q_head
+        tl.store(q_out_ptr + q_row[:, None] * HEAD_DIM + j, out, mask=q_ok[:, None] & (j < HEAD_DIM))
+        if CALIBRATED:
+            tl.store(q_offset_ptr + q_row, offset * q_scale, mask=q_ok)
 
 
 def store_block_tokens(num_tokens: int, head_dim: int) -> int:
@@ -134,11 +145,12 @@ def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: CacheLayout,
     key_calibration: KeyCalibration | None = None, block_t: int | None = None, num_warps: int = 8,
     query: torch.Tensor | None = None, query_scale: float = 1.0, validate: bool = True,
-) -> torch.Tensor | None:
+) -> RotatedQuery | None:
     """Quantize key/value (tokens, kv_heads, head_dim) into their slots of the paged cache (-1: skip);
-    with a key calibration, the keys (key - mean) / scale (see core.calibration). block_t: tokens per program
-    (None: store_block_tokens). query (tokens <= key's, q_heads, head_dim): also rotate it in the same launch and
-    return what rotation.rotate_queries(query, layout, query_scale, key_calibration) returns (fp16), for
+    with a key calibration, per token the shorter of (key - mean) / scale and key / scale, the latter with a
+    negated norm (see core.calibration). block_t: tokens per program (None: store_block_tokens). query (tokens <=
+    key's, q_heads, head_dim): also rotate it in the same launch and return what
+    rotation.rotate_queries(query, layout, query_scale, key_calibration) returns (fp16), for
     paged_attention(rotated_query=...); None without a query. validate=False: the caller has checked kv_cache
     against layout already (the vLLM backend, once per forward)."""
     expected = (key.shape[0], layout.num_kv_heads, layout.head_dim)
@@ -154,7 +166,7 @@ def store_kv(
     if key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError("key and value must be contiguous in head_dim")
     num_tokens = key.shape[0]
-    q_rot = None
+    q_rot = q_offset = None
     if query is not None:
         check_dtype("query", query)
         if query.dim() != 3 or query.shape[0] > num_tokens or query.shape[2] != layout.head_dim \
@@ -162,8 +174,11 @@ def store_kv(
             raise ValueError(f"query must be (<= {num_tokens}, a multiple of {layout.num_kv_heads}, "
                              f"{layout.head_dim}), contiguous in head_dim, got {tuple(query.shape)}")
         q_rot = torch.empty(query.shape, dtype=torch.float16, device=query.device)
+        if key_calibration is not None:
+            q_offset = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    rotated = None if q_rot is None else RotatedQuery(q_rot, q_offset)
     if num_tokens == 0:
-        return q_rot
+        return rotated
     if key_calibration is not None:
         check_calibration(key_calibration, layout)
     c = kernel_constants(layout, key.device)
@@ -177,9 +192,10 @@ def store_kv(
         c.key_values[torch.float32], c.value_values[torch.float32],
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), q_in, key if q_rot is None else q_rot,
+        key if q_offset is None else q_offset,
         0 if query is None else query.shape[0], q_in.stride(0), q_in.stride(1), float(query_scale),
         CALIBRATED=key_calibration is not None, GROUP=max(group, 1), BLOCK_T=block_t, BLOCK_K=32,
         **page_constants(layout), INTERPRET=INTERPRETED,
         num_warps=num_warps,  # 8: 4 spill the 3xTF32 operands of the rotation
     )
-    return q_rot
+    return rotated
