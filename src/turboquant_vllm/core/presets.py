@@ -42,6 +42,7 @@ PRESETS: dict[str, Preset] = {
     )
 }
 DEFAULT_PRESET = "tq4"
+UNQUANTIZED = "bf16"  # a per-layer choice besides the presets: K/V kept in the model's own 16-bit dtype
 
 
 def get_preset(name: str) -> Preset:

@@ -22,10 +22,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..core.calibration import MIN_UNCENTERED_NORM, KeyCalibration
-from ..core.presets import DEFAULT_PRESET, Preset, get_preset
+from ..core.presets import DEFAULT_PRESET, UNQUANTIZED, Preset, get_preset
 from ..core.quantizer import Quantizer
-
-UNQUANTIZED = "bf16"  # a layer preset: keep the layer's keys and values as the model gives them
 
 
 class _Tokens:

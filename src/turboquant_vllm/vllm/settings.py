@@ -22,13 +22,13 @@ from typing import Any
 
 from ..core.calibration import KeyCalibration, KeyStatistics, load_calibration
 from ..core.layout import cache_layout
-from ..core.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
+from ..core.presets import DEFAULT_PRESET, PRESETS, UNQUANTIZED, Preset, get_preset
 
 PRESET_ENV = "TURBOQUANT_PRESET"
 PRESET_CONFIG_KEY = "turboquant_preset"  # key of vLLM's --additional-config
 LAYER_PRESETS_ENV = "TURBOQUANT_LAYER_PRESETS"
 LAYER_PRESETS_CONFIG_KEY = "turboquant_layer_presets"
-BF16 = "bf16"  # a layer preset: K/V kept in the model's own 16-bit dtype (served by vLLM's FlashAttention)
+BF16 = UNQUANTIZED  # served by vLLM's FlashAttention
 CALIBRATION_ENV = "TURBOQUANT_KEY_CALIBRATION"
 CALIBRATION_CONFIG_KEY = "turboquant_key_calibration"
 # Set by `turboquant-vllm calibrate` only: the backend then sums key/query statistics per layer.
