@@ -12,6 +12,8 @@ summaries, benchmarks/results/e2e.{json,md,png} and benchmarks/results/quality.{
 BENCHMARKS = {
     "decode_kernel": "decode attention alone: our presets vs FlashAttention-3 bf16 / fp8 and vLLM's in-tree TurboQuant "
                      "(GPU, CUDA-graph replay)",
+    "decode_sweep": "decode attention over query-head groups, head dims, batches and contexts: tq4 vs FlashAttention-3 "
+                    "bf16 / fp8, heat map and targets (GPU; --report renders on a CPU)",
     "e2e": "vLLM end to end per KV cache: KV tokens that fit, decode and prefill throughput, requests/s at the memory "
            "limit (GPU)",
     "prefill_attention": "one layer's prefill step: store + attention, ours vs FLASH_ATTN bf16 (GPU)",
