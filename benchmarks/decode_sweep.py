@@ -39,6 +39,7 @@ PRESET = "tq4"
 BIG_READ = 256 * 1024**2  # bf16 KV bytes of one layer above which the target is 1.5x
 DEFAULT_STEM = common.RESULTS / NAME
 TIMING_REP_MS = 20
+MAX_SPLIT_CANDIDATE = 128
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -51,9 +52,11 @@ def bf16_kv_bytes(batch: int, context: int, kv_heads: int, head_dim: int) -> int
 
 
 def split_candidates(batch: int, kv_heads: int, sms: int, programs_per_sm: int, policy_splits: int) -> list[int]:
-    """Split counts above the policy's, up to the one that gives every SM programs_per_sm programs uncapped: empty
-    where the policy is not capped."""
+    """Split counts above the policy's, up to the one that gives every SM programs_per_sm programs uncapped, at most
+    MAX_SPLIT_CANDIDATE (256 and 512 splits took 5-10x the time of 64 at d 256): empty where the policy is not
+    capped."""
     want = 2 ** math.ceil(math.log2(max(1.0, programs_per_sm * sms / max(1, batch * kv_heads))))
+    want = min(want, MAX_SPLIT_CANDIDATE)
     out, s = [], policy_splits * 2
     while s <= want:
         out.append(s)

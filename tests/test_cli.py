@@ -254,7 +254,6 @@ def test_demo_says_why_the_model_could_not_be_fetched(monkeypatch, capsys):
     (["demo", "--tokens", "0"], ["argument --tokens: expected a positive number, got '0'"]),
     (["demo", "--device", "tpu"], ["argument --device: invalid choice: 'tpu'"]),
     (["verify", "--kernels", "--head-dim", "100"], ["--head-dim 100: ", "multiple of 16 in [32, 256]"]),
-    (["verify", "--kernels", "--preset", "k5v4", "--head-dim", "64"], ["preset k5v4 needs head_dim >= 96"]),
     (["verify", "--kernels", "--context", "-3"], ["argument --context: expected a positive number"]),
     (["verify", "--vectors", "many"], ["expected an integer, got 'many'"]),
     (["verify", "--head-dim", "20"], ["--head-dim 20"]),

@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from turboquant_vllm.core.calibration import KeyCalibration
-from turboquant_vllm.core.layout import K5_MIN_HEAD_DIM, CacheLayout
+from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import PRESETS, get_preset
 
 
@@ -65,13 +64,3 @@ def keys_with_sinks(gen, keys: torch.Tensor, cal: KeyCalibration, sinks: list[in
     out[sinks] = 0.1 * torch.randn(len(sinks), *keys.shape[1:], generator=gen)
     out[sinks[0]] = 0.0
     return out.to(keys.dtype).to(keys.device)
-
-
-def refused(preset: str, head_dim: int) -> bool:
-    """Combinations CacheLayout refuses (tests/core/test_presets.py checks the refusal)."""
-    return PRESETS[preset].k_bits == 5 and head_dim < K5_MIN_HEAD_DIM
-
-
-def skip_if_refused(preset: str, head_dim: int) -> None:
-    if refused(preset, head_dim):
-        pytest.skip(f"{preset} at head_dim {head_dim} is refused")

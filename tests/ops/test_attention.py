@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE, FULL_MATRIX
-from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration, refused, skip_if_refused
+from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.ops import attention_workspace_shape, paged_attention, store_kv
 from turboquant_vllm.ops.attention.naive import paged_attention_reference
@@ -34,8 +34,6 @@ def draw_case(i: int) -> dict:
         q_lens.append(q)
     preset = list(PRESETS)[i % len(PRESETS)]
     head_dim = [64, 96, 128, 256][(i // 8) % 4]
-    if refused(preset, head_dim):
-        head_dim = 128
     return dict(
         dtype=[torch.bfloat16, torch.float16][(i // 4) % 2],
         head_dim=head_dim,
@@ -94,7 +92,7 @@ def test_decode_kernel_matches_reference(i):
     preset, head_dim = list(PRESETS)[i % len(PRESETS)], [64, 96, 128, 256][(i // 2) % 4]
     case = dict(
         preset=preset, dtype=[torch.bfloat16, torch.float16][(i // 6) % 2],
-        head_dim=128 if refused(preset, head_dim) else head_dim,
+        head_dim=head_dim,
         group=[1, 4, 8, 16, 2][i % 5], kv_heads=rng.choice([1, 2]), block_size=[16, 32][(i // 3) % 2],
         seq_lens=seq_lens, q_lens=[1] * num_seqs, window=[None, None, rng.randint(1, 300)][i % 3],
         softcap=[None, rng.uniform(5, 50)][(i // 4) % 2], num_splits=[None, 1, 3, 8][i % 4], calibrated=i % 3 == 1,
@@ -130,7 +128,6 @@ def test_calibrated_sinks_match_reference(preset, head_dim):
     """Calibrated keys of both kinds in every sequence (its first token a sink, stored uncentered; the rest
     centered), written by the store kernel: a decode step whose store launch rotates the queries (and their offsets),
     then a chunked prefill over the same pages, match the reference."""
-    skip_if_refused(preset, head_dim)
     gen = torch.Generator().manual_seed(hash((preset, head_dim, "sinks")) % 2**31)
     seq_lens = [45, 70]
     b = make_paged_batch(gen, preset, head_dim, 2, 16, seq_lens, torch.bfloat16, DEVICE)
@@ -239,7 +236,7 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
     from turboquant_vllm.ops.attention import AttentionLaunch, decode_launch
 
     got = {(p, d): decode_launch(get_preset(p), d)
-           for p in ("tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4") for d in (64, 96, 128, 256) if not refused(p, d)}
+           for p in ("tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4") for d in (64, 96, 128, 256)}
     want = {(p, d): AttentionLaunch(4, 3, 0, 2) if p == "k5v4"
             else AttentionLaunch(1, 5, 168, 6) if p == "tq4" and d <= 128
             else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24) for p, d in got}

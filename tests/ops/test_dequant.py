@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration, skip_if_refused
+from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.ops import dequantize_pages
 from turboquant_vllm.ops.dequant.naive import read_kv_reference
@@ -14,7 +14,6 @@ from turboquant_vllm.ops.store.naive import store_kv_reference
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("calibrated", [False, True])
 def test_dequantize_matches_reference(preset, head_dim, block_size, dtype, calibrated):
-    skip_if_refused(preset, head_dim)
     gen = torch.Generator().manual_seed(hash((preset, head_dim, str(dtype), calibrated)) % 2**31)
     seq_lens = [70, 1, 33]
     b = make_paged_batch(gen, preset, head_dim, 2, block_size, seq_lens, dtype, DEVICE)

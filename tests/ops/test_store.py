@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration, skip_if_refused
+from tests.ops.cases import keys_with_sinks, make_paged_batch, random_calibration
 from turboquant_vllm.core.presets import PRESETS
 from turboquant_vllm.core.quantizer import Quantizer
 from turboquant_vllm.ops import store_kv
@@ -28,7 +28,6 @@ def near_boundary_bytes(x, layout, bits, eps=1e-5):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("calibrated", [False, True])
 def test_store_matches_reference(preset, head_dim, dtype, calibrated):
-    skip_if_refused(preset, head_dim)
     gen = torch.Generator().manual_seed(hash((preset, head_dim, str(dtype), calibrated)) % 2**31)
     block_size = [16, 32][head_dim % 3 == 0]
     batch = make_paged_batch(gen, preset, head_dim, 2, block_size, [37, 5], dtype, DEVICE)

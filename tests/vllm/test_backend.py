@@ -10,7 +10,7 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf
 
 from turboquant_vllm.core.layout import CacheLayout
-from turboquant_vllm.core.presets import get_preset
+from turboquant_vllm.core.presets import PRESETS, get_preset
 from turboquant_vllm.vllm import compat
 from turboquant_vllm.vllm.backend import TQ4AttentionBackend
 from turboquant_vllm.vllm.impl import TQ4AttentionImpl
@@ -145,10 +145,10 @@ def test_kv_cache_shape_is_the_compressed_layout():
         TQ4AttentionBackend.get_kv_cache_shape(10, 8, 8, 128)
 
 
-def test_a_preset_refuses_head_sizes_it_does_not_serve(monkeypatch):
-    monkeypatch.setenv("TURBOQUANT_PRESET", "k5v4")
-    assert any("k5v4 needs head_dim >= 96" in r and "tq4" in r for r in validate(head_size=64))
-    assert validate(head_size=128) == []
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_serves_every_supported_head_size(preset, monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_PRESET", preset)
+    assert [validate(head_size=d) for d in (32, 64, 96, 128, 256)] == [[]] * 5
 
 
 def test_kv_cache_shape_follows_the_preset(monkeypatch):

@@ -21,7 +21,7 @@ def build_parser() -> Parser:
 
     names = ", ".join(preset_names())
     preset_help = f"KV-cache preset: {names} (default: ${PRESET_ENV}, else {DEFAULT_PRESET})"
-    head_dim_help = "head dimension: a multiple of 16 in [32, 256] (5-bit keys: >= 96); default %(default)s"
+    head_dim_help = "head dimension: a multiple of 16 in [32, 256]; default %(default)s"
     ap = Parser(prog="turboquant-vllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"turboquant-vllm {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from .presets import NORM_BYTES, Preset
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 32, 256
-K5_MIN_HEAD_DIM = 96  # 5-bit keys: checked on the GPU from 96 up
 
 
 @dataclass(frozen=True)
@@ -31,11 +30,6 @@ class CacheLayout:
             raise ValueError(
                 f"TurboQuant supports head_dim a multiple of 16 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], "
                 f"got {d}; use another attention backend for this model"
-            )
-        if self.preset.k_bits == 5 and d < K5_MIN_HEAD_DIM:
-            # The attention kernel faults with 5-bit keys at head_dim 64 on the GPU: refuse, never garbage.
-            raise ValueError(
-                f"preset {self.preset.name} needs head_dim >= {K5_MIN_HEAD_DIM}, got {d}; use tq4 (TURBOQUANT_PRESET=tq4)"
             )
         if self.block_size % 4 or self.block_size < 4:
             raise ValueError(f"block_size must be a positive multiple of 4, got {self.block_size}")

@@ -121,8 +121,14 @@ def paged_attention(
             q_offset.shape != query.shape[:2] or q_offset.dtype != torch.float32 or not q_offset.is_contiguous()):
         raise ValueError("rotated_query must carry contiguous float32 offsets of shape (tokens, q_heads) exactly "
                          "when the keys are calibrated")
+    constants = page_constants(layout)
+    if layout.preset.k_bits == 5:
+        # Triton 3.6 miscompiles the general kernel's MMAs over 5-bit key tiles of 32 coordinate pairs (head_dim 64:
+        # shared-memory addresses out of range, or wrong scores; compute-sanitizer in
+        # benchmarks/results/tests/h100-k5-head-dim-64.log): pad them to 64 pairs, the padding masked to zero.
+        constants["D_PAD"] = max(constants["D_PAD"], 128)
     common = dict(
-        NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, **page_constants(layout),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, **constants,
         USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap), CALIBRATED=key_calibration is not None,
         UPCAST=INTERPRETED,
         K_ASM="" if INTERPRETED else c.key_mma_asm, V_ASM="" if INTERPRETED else c.value_lookup_asm,
