@@ -232,6 +232,10 @@ def markdown(doc: dict) -> str:
            f"{meta.get('gpu')}, {meta.get('kv_heads')} KV heads (query heads = group x KV heads), block "
            f"{meta.get('block_size')}, {meta.get('timing')}. Ours: query rotation + decode + split merge.\n",
            *targets(points), ""]
+    if meta.get("commands"):
+        out += ["Measured by, merged in this order:", ""]
+        out += [f"- `{c}` at {k}" for c, k in zip(meta["commands"], meta.get("commits") or [None] * len(meta["commands"]))]
+        out.append("")
     for d in sorted({p["head_dim"] for p in points}):
         ps = [p for p in points if p["head_dim"] == d]
         shapes = list(dict.fromkeys((p["batch"], p["context"]) for p in ps))
@@ -336,8 +340,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge and old.exists():
         prev = json.loads(old.read_text())
         commands = prev["meta"].get("commands") or [prev["meta"].get("command")]
+        commits = prev["meta"].get("commits") or [prev["meta"].get("commit")]
         doc = merge(prev, doc)
-        doc["meta"]["commands"] = [*commands, command]
+        doc["meta"].update(commands=[*commands, command], commits=[*commits, doc["meta"]["commit"]])
     write(doc, stem)
     print(markdown(doc))
 
