@@ -30,6 +30,7 @@ from .decode import _decode_kernel
 from .general import _attention_kernel
 from .launch import (
     GENERAL_LAUNCH,
+    MIN_SPLIT_TOKENS,
     attention_workspace_shape,
     decode_launch,
     decode_num_splits,
@@ -58,13 +59,15 @@ def paged_attention(
     num_stages: int | None = None,
     key_calibration: KeyCalibration | None = None,
     max_registers: int | None = None,
+    min_split_tokens: int | None = None,
     rotated_query: RotatedQuery | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
     key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
-    num_warps, num_stages, max_registers (per thread, 0: the compiler's choice): None takes decode_launch's choice
-    for decode, the general kernel's otherwise. rotated_query: the query already in the cache's basis (and its
+    num_warps, num_stages, max_registers (per thread, 0: the compiler's choice), min_split_tokens (the decode
+    kernel's least tokens a split): None takes the launch policy's choice (launch.py) for
+    decode, the general kernel's otherwise. rotated_query: the query already in the cache's basis (and its
     offsets under the key calibration), as store_kv(..., query=query, query_scale=scale) returns it with the step's
     keys (one launch fewer).
     validate=False: the caller has checked kv_cache against layout already (the vLLM backend, once per forward)."""
@@ -142,6 +145,7 @@ def paged_attention(
             c.value_values[torch.float16], part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0),
             c.key_int8_step,
             ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, V_CHUNKS=2 if head_dim > 64 else 1,
+            MIN_SPLIT_TOKENS=min_split_tokens or MIN_SPLIT_TOKENS,
             **common,
         )
     else:

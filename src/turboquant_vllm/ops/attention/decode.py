@@ -14,7 +14,8 @@ def _decode_kernel(
     q_ptr, q_offset_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr, part_acc_ptr,
     part_ml_ptr, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, WARP_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_CHUNKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    V_CHUNKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr,
     V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
@@ -69,7 +70,9 @@ def _decode_kernel(
     kv_lo = 0
     if USE_WINDOW:
         kv_lo = (tl.maximum(seq_len - sliding_window, 0) // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # At least MIN_SPLIT_TOKENS a split: the splits past a short context run no tile and leave an empty partial
+    # (m = -inf, l = 0) that the merge weighs zero.
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_TOKENS)
     start = kv_lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 

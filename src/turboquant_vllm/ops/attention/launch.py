@@ -16,6 +16,11 @@ from ...core.presets import Preset
 from ..utils import next_pow2
 
 NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs)
+# Splits of one sequence's context: up to 64 (one request at 32k-128k: 1.3-1.7x faster than 32 on the H100, 128 slower
+# again), each of at least 256 tokens (8 tiles of 32; splits of 4 tiles lost 20% at 1 x 8k to their prologues), so a
+# short context leaves the splits past it empty. benchmarks/results/decode_sweep.json (ours_ms_by_splits).
+MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 256
 
 
 def num_sms(device: torch.device | None = None) -> int:
@@ -61,9 +66,10 @@ def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
 
 def split_count(num_seqs: int, num_kv_heads: int, sms: int, programs_per_sm: int) -> int:
     """Splits so that sequences x KV heads x splits give every SM about programs_per_sm programs, rounded up to a
-    power of two, at most 32. Depends on the batch shape only, so a captured CUDA graph replays correctly."""
+    power of two, at most MAX_SPLITS. Depends on the batch shape only, so a captured CUDA graph replays correctly
+    (the decode kernel leaves the splits past a short context empty: MIN_SPLIT_TOKENS)."""
     programs = max(1, num_seqs * num_kv_heads)
-    return max(1, min(32, next_pow2(math.ceil(programs_per_sm * sms / programs))))
+    return max(1, min(MAX_SPLITS, next_pow2(math.ceil(programs_per_sm * sms / programs))))
 
 
 def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None) -> int:
