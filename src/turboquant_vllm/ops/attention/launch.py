@@ -16,10 +16,12 @@ from ...core.presets import Preset
 from ..utils import next_pow2
 
 NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs)
-# Splits of one sequence's context: up to 64 (one request at 32k-128k: 1.3-1.7x faster than 32 on the H100, 128 slower
-# again), each of at least 256 tokens (8 tiles of 32; splits of 4 tiles lost 20% at 1 x 8k to their prologues), so a
-# short context leaves the splits past it empty. benchmarks/results/decode_sweep.json (ours_ms_by_splits).
-MAX_SPLITS = 64
+# Splits of one sequence's context: up to 32, each of at least 256 tokens (8 tiles of 32), so a short context leaves
+# the splits past it empty. H100 (benchmarks/results/kernel_variants/h100-tq4-split-floor-d{128,256}.md): the floor
+# takes 11% off d 256, 16 x 2k (0.1691 -> 0.1500 ms) and is neutral where splits hold >= 256 tokens anyway; 64 splits
+# paid at one sequence of 32k-128k (decode_sweep.json, ours_ms_by_splits: 1.45x at 1 x 128k, d 128) but lost at two
+# (2 x 8k 0.0263 -> 0.0344 ms, 2 x 128k 0.1375 -> 0.1457): the merge's cost grows with the split count.
+MAX_SPLITS = 32
 MIN_SPLIT_TOKENS = 256
 
 
