@@ -18,7 +18,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from tests.ops.cases import skip_if_refused
 from tests.vllm.conftest import make_layers
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import PRESETS, get_preset
@@ -42,7 +41,6 @@ def bf16_spec(block_size=16, kv_heads=8, head_size=128):
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_page_size_is_the_compressed_page(preset, head_size, block_size):
-    skip_if_refused(preset, head_size)
     spec = tq_spec(preset, block_size, 8, head_size)
     layout = CacheLayout(get_preset(preset), head_size, 8, block_size)
     assert spec.page_size_bytes == layout.page_bytes == 8 * block_size * layout.bytes_per_token_per_head
