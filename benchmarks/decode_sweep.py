@@ -12,6 +12,7 @@ not serialize in front of the timing.
     python -m benchmarks decode_sweep [--groups 1,2,3,4,5,6,7,8,16] [--head-dims 64,96,128,256]
         [--points 1x8192,...] [--kv-heads 8] [--merge] [--time-budget S] [--out PATH]
     python -m benchmarks decode_sweep --report benchmarks/results/decode_sweep.json   # re-render on a CPU
+        [--e2e benchmarks/results/e2e/h100-qwen2.5-7b.json,...]   # + end-to-end rows from `e2e --shape` results
 
 Writes benchmarks/results/decode_sweep.{json,md,png}: {"points": [{"group", "head_dim", "batch", "context",
 "bf16_kv_bytes", "ours_ms", "bf16_ms", "fp8_ms", ...}], "e2e": [...]}, a heat map of bf16 / ours per head_dim, and
@@ -191,6 +192,22 @@ def merge(old: dict, new: dict) -> dict:
     return dict(new, points=merged, e2e=new.get("e2e") or old.get("e2e", []))
 
 
+def e2e_rows(path: Path) -> list[dict]:
+    """{"shape", "ours_tok_s", "bf16_tok_s"} per decode run of an e2e result holding both a tq4 and a bf16 row."""
+    doc = json.loads(Path(path).read_text())
+    by_kv = {r["kv"]: r for r in doc["rows"]}
+    if "tq4" not in by_kv or "bf16" not in by_kv:
+        return []
+    name = doc["meta"].get("shape") or Path(path).stem
+    out = []
+    for key, ours in by_kv["tq4"].items():
+        bf16 = by_kv["bf16"].get(key)
+        if key.startswith("decode_tok_s_") and ours and bf16:
+            out.append({"shape": f"{name} {key.removeprefix('decode_tok_s_')}", "ours_tok_s": ours, "bf16_tok_s": bf16,
+                        "source": str(path)})
+    return out
+
+
 def speedup(p: dict) -> float:
     return p["bf16_ms"] / p["ours_ms"]
 
@@ -231,7 +248,13 @@ def markdown(doc: dict) -> str:
     out = [f"## Decode attention sweep: {meta.get('preset', PRESET)} / FA3 bf16 (speed-up, higher is better)\n",
            f"{meta.get('gpu')}, {meta.get('kv_heads')} KV heads (query heads = group x KV heads), block "
            f"{meta.get('block_size')}, {meta.get('timing')}. Ours: query rotation + decode + split merge.\n",
-           *targets(points), ""]
+           *targets(points)]
+    if doc.get("e2e"):
+        slow = [r for r in doc["e2e"] if r["ours_tok_s"] < r["bf16_tok_s"]]
+        out.append(f"| end to end >= 1.0x bf16 for every model shape | {'PASS' if not slow else 'FAIL'} | "
+                   f"{len(doc['e2e']) - len(slow)} of {len(doc['e2e'])} runs"
+                   + "".join(f"; {r['shape']} {r['ours_tok_s'] / r['bf16_tok_s']:.2f}x" for r in slow) + " |")
+    out.append("")
     if meta.get("commands"):
         out += ["Measured by, merged in this order:", ""]
         out += [f"- `{c}` at {k}" for c, k in zip(meta["commands"], meta.get("commits") or [None] * len(meta["commands"]))]
@@ -306,6 +329,12 @@ def heatmap(path: Path, doc: dict) -> None:
     plt.close(fig)
 
 
+def with_e2e(doc: dict, paths: list[Path]) -> dict:
+    new = [r for p in paths for r in e2e_rows(p)]
+    kept = [r for r in doc.get("e2e", []) if r["shape"] not in {n["shape"] for n in new}]
+    return dict(doc, e2e=kept + new)
+
+
 def write(doc: dict, stem: Path) -> None:
     meta = {k: v for k, v in doc["meta"].items()}
     common.write_json(common.with_ext(stem, ".json"), doc, meta)
@@ -326,11 +355,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; stop starting points after it (0: none)")
     ap.add_argument("--merge", action="store_true", help="keep the points of the existing result not measured now")
     ap.add_argument("--report", type=Path, help="re-render this JSON's Markdown and heat map (no GPU)")
+    ap.add_argument("--e2e", type=lambda s: [Path(x) for x in s.split(",")], default=[],
+                    help="e2e result JSONs (python -m benchmarks e2e --shape ...) whose tq4 / bf16 rows become the "
+                    "end-to-end rows (replacing those of the same shape and run)")
     common.add_out_argument(ap, "benchmarks/results/decode_sweep")
     args = ap.parse_args(argv)
     if args.report:
         doc = json.loads(args.report.read_text())
-        write(doc, common.stem_of(args.report))
+        write(with_e2e(doc, args.e2e), common.stem_of(args.report))
         return
     stem = common.stem_of(args.out) if args.out else DEFAULT_STEM
     command = common.command_line(NAME, argv)
@@ -343,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         commits = prev["meta"].get("commits") or [prev["meta"].get("commit")]
         doc = merge(prev, doc)
         doc["meta"].update(commands=[*commands, command], commits=[*commits, doc["meta"]["commit"]])
-    write(doc, stem)
+    write(with_e2e(doc, args.e2e), stem)
     print(markdown(doc))
 
 

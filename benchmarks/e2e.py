@@ -13,7 +13,11 @@ a decode-bound one, where the tokens a cache holds count).
 Each KV cache runs in its own process (vLLM engines do not tear down cleanly in one).
 
     python -m benchmarks e2e [--kv bf16,fp8,tq4,tq3] [--runs 64x8192,32x32768] [--at-limit 8192
-                             [--at-limit-generate N]] [--capture-max N] [--heads 32/8] [--tp 2] [--out PATH]
+                             [--at-limit-generate N]] [--capture-max N] [--heads 32/8 | --shape NAME] [--tp 2]
+                             [--out PATH]
+--shape takes a real model's shape instead of the Llama one (SHAPES: qwen2.5-7b, smollm2-135m, phi3-mini, gemma2-9b;
+random weights, its layers cut to 8 where it has more, positions extended so the runs fit); the results go to
+benchmarks/results/e2e/<gpu>-<shape>[-...].
 The default configuration (16 q / 4 KV heads, tensor parallel 1, the default --runs, no --at-limit) writes the
 headline benchmarks/results/e2e.{json,md,png}; any other writes benchmarks/results/e2e/<gpu>-<what>.{json,md,png},
 <what> = llama<layers>l-<Q>q<KV>kv[-tp<N>][-<runs>][-at-limit-<context>-gen<N>], e.g. h200-llama16l-32q8kv for
@@ -45,6 +49,35 @@ MODEL = dict(
 )
 
 
+# Real models' shapes for --shape: (config.json, extra engine arguments). The attention and weight shapes per layer are
+# the real ones; deep models keep 8 layers (the ratio of KV to weight bytes per layer is what decode speed meets).
+_COMMON = dict(torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, max_position_embeddings=40960)
+SHAPES = {
+    # a query-head group of 7, qkv bias
+    "qwen2.5-7b": (dict(_COMMON, architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584,
+                        intermediate_size=18944, num_hidden_layers=8, num_attention_heads=28, num_key_value_heads=4,
+                        head_dim=128, vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                        use_sliding_window=False), {}),
+    # head_dim 64, a group of 3: the real model of the quality table, all 30 layers
+    "smollm2-135m": (dict(_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
+                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          head_dim=64, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=1e5, tie_word_embeddings=True),
+                     {}),
+    # head_dim 96, no GQA (the real model's 2047-token window left out)
+    "phi3-mini": (dict(_COMMON, architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=3072,
+                       intermediate_size=8192, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32,
+                       vocab_size=32064, rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=False,
+                       sliding_window=None), {}),
+    # head_dim 256, soft-capped scores, sliding window on alternate layers (one KV-cache group: our page sizes)
+    "gemma2-9b": (dict(_COMMON, architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=3584,
+                       intermediate_size=14336, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, vocab_size=256000, rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=True,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
+                       query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh"),
+                  {"disable_hybrid_kv_cache_manager": True}),
+}
+
+
 def model_config(heads: str) -> dict:
     """The model for "Q/KV" query / KV heads (hidden = Q x 128)."""
     q, kv = (int(x) for x in heads.split("/"))
@@ -54,9 +87,10 @@ def model_config(heads: str) -> dict:
                 num_key_value_heads=kv)
 
 
-def config_name(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, at_limit_generate: int = 0) -> str:
-    """<what> of the result path: llama<layers>l-<Q>q<KV>kv[-tp<N>][-<runs>][-at-limit-<context>-gen<N>]."""
-    name = f"llama{model['num_hidden_layers']}l-{model['num_attention_heads']}q{model['num_key_value_heads']}kv"
+def config_name(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, at_limit_generate: int = 0,
+                shape: str | None = None) -> str:
+    """<what> of the result path: <shape> or llama<layers>l-<Q>q<KV>kv, then [-tp<N>][-<runs>][-at-limit-<context>-gen<N>]."""
+    name = shape or f"llama{model['num_hidden_layers']}l-{model['num_attention_heads']}q{model['num_key_value_heads']}kv"
     name += f"-tp{tp}" if tp > 1 else ""
     if runs != RUNS:
         name += "-" + "-".join(common.shape_tag(*(int(x) for x in r.split("x"))) for r in runs.split(","))
@@ -67,10 +101,10 @@ def config_name(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, a
 
 
 def result_paths(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, at_limit_generate: int = 0,
-                 gpu: str | None = None) -> tuple[Path, Path]:
+                 gpu: str | None = None, shape: str | None = None) -> tuple[Path, Path]:
     """(the results' path without extension, the children's log folder) of a configuration: the headline
     benchmarks/results/e2e for the default one, benchmarks/results/e2e/<gpu>-<what> otherwise."""
-    what = common.result_stem(NAME, config_name(model, tp, runs, at_limit, at_limit_generate), gpu)
+    what = common.result_stem(NAME, config_name(model, tp, runs, at_limit, at_limit_generate, shape), gpu)
     if model == MODEL and tp == 1 and runs == RUNS and not at_limit:
         return common.RESULTS / NAME, what
     return what, what
@@ -118,7 +152,7 @@ class Steps:
 
 
 def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int,
-           at_limit_generate: int = GENERATED, capture_max: int = 0, tp: int = 1) -> dict:
+           at_limit_generate: int = GENERATED, capture_max: int = 0, tp: int = 1, engine_args: dict | None = None) -> dict:
     """Runs inside a fresh process: one engine, every measurement for this KV cache."""
     import random
     import statistics
@@ -133,7 +167,7 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
               max_num_seqs=MAX_SEQS_AT_LIMIT if at_limit else max(b for b, _ in runs), tensor_parallel_size=tp,
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                                   **({"max_cudagraph_capture_size": capture_max} if capture_max else {})},
-              **({"attention_config": {"backend": backend}} if backend else {}))
+              **({"attention_config": {"backend": backend}} if backend else {}), **(engine_args or {}))
     cache = llm.llm_engine.vllm_config.cache_config
     sched = llm.llm_engine.vllm_config.scheduler_config
     # What shapes the steps (and so the decode figure, see NOTES.md): kept with the row.
@@ -208,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="capture decode CUDA graphs up to N requests (vLLM's default: min(2 x max_num_seqs, 512)); "
                     "a memory-limit load runs more requests at once than that")
     ap.add_argument("--heads", default=HEADS, help="query / KV heads of the model (16/4: the kit's reference shape)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a real model's shape instead of the Llama one")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (each GPU holds its share of the KV "
                     "heads, so KV tokens are what the group holds)")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in the results")
@@ -217,11 +252,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         kv, model_dir = args.child.split(":", 1)
         row = engine(kv, model_dir, runs, args.repeats, args.at_limit, args.at_limit_generate, args.capture_max,
-                     args.tp)
+                     args.tp, SHAPES[args.shape][1] if args.shape else None)
         print("E2E_ROW " + json.dumps(row), flush=True)
         return
-    model = model_config(args.heads)
-    stem, logs = result_paths(model, args.tp, args.runs, args.at_limit, args.at_limit_generate)
+    model = SHAPES[args.shape][0] if args.shape else model_config(args.heads)
+    stem, logs = result_paths(model, args.tp, args.runs, args.at_limit, args.at_limit_generate, shape=args.shape)
     if args.out:
         stem = logs = common.stem_of(args.out)
     logs.mkdir(parents=True, exist_ok=True)
@@ -237,13 +272,15 @@ def main(argv: list[str] | None = None) -> None:
             cmd = common.module_command(
                 NAME, "--runs", args.runs, "--repeats", str(args.repeats), "--at-limit", str(args.at_limit),
                 "--at-limit-generate", str(args.at_limit_generate), "--capture-max", str(args.capture_max),
-                "--tp", str(args.tp), "--heads", args.heads, "--child", f"{kv}:{model_dir}")
+                "--tp", str(args.tp), "--heads", args.heads, *(["--shape", args.shape] if args.shape else []),
+                "--child", f"{kv}:{model_dir}")
             row = child_row(cmd, common.child_env(dict(os.environ, **KV[kv][2])), logs / f"{kv}.log", "E2E_ROW")
             if row is None:
                 continue
             rows.append(dict(row, command=command))
             print(rows[-1], flush=True)
-            write(rows, stem, args.runs, model, provenance)  # after every row: a cut-off run keeps what it measured
+            write(rows, stem, args.runs, model, provenance, args.shape)  # after every row: a cut-off run keeps
+            # what it measured
 
 
 def child_row(cmd: list[str], env: dict, log: Path, tag: str) -> dict | None:
@@ -258,7 +295,8 @@ def child_row(cmd: list[str], env: dict, log: Path, tag: str) -> dict | None:
     return json.loads(found[-1][len(tag) + 1:])
 
 
-def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenance: dict | None = None) -> None:
+def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenance: dict | None = None,
+          shape_name: str | None = None) -> None:
     """stem.json ({"meta", "rows"}: the headline schema), stem.md (the table), stem.png (three panels)."""
     provenance = provenance or common.provenance(common.command_line(NAME, []))
     base = next((r for r in rows if r["kv"] == "bf16"), None)
@@ -268,7 +306,7 @@ def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenan
         r["prefill_tok_s"] = r.get("prefill_tok_s_64x8k")
         if base:
             r["kv_tokens_vs_bf16"] = r["kv_tokens"] / base["kv_tokens"]
-    meta = dict(model=model, runs=runs, generated=GENERATED,
+    meta = dict(model=model, runs=runs, generated=GENERATED, shape=shape_name,
                 tensor_parallel_size=rows[0].get("tensor_parallel_size", 1))
     common.write_json(common.with_ext(stem, ".json"), dict(meta=meta, rows=rows), provenance)
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
@@ -281,8 +319,9 @@ def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenan
                      f"{fmt(r.get('decode_only_tok_s_64x8k'), ',.0f')} | "
                      f"{fmt(r.get('decode_only_tok_s_32x32k'), ',.0f')} | "
                      f"{fmt(r['prefill_tok_s'], ',.0f')} | {fmt(r.get('at_limit_req_s'), '.2f')} |")
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
     shape = (f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} q / "
-             f"{model['num_key_value_heads']} KV heads, head_dim {model['head_dim']}"
+             f"{model['num_key_value_heads']} KV heads, head_dim {head_dim}"
              + (f", tensor parallel {meta['tensor_parallel_size']}" if meta["tensor_parallel_size"] > 1 else ""))
     runs_by = {}  # rows merged from earlier calls (--merge) name the command that measured them
     for r in rows:
@@ -293,7 +332,8 @@ def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenan
     steps = ("\n\nDecode tok/s: requests x (generated - 1) / (full run - prefill-only run), as in the kit's README; "
              "decode-only steps: tokens / time of the full run's steps after every request has finished its prefill "
              "(its earlier tokens come from decodes riding along in prefill steps; per-pair figures in the JSON).")
-    common.write_markdown(common.with_ext(stem, ".md"), f"Llama shape with random weights: {shape}.\n\n"
+    title = f"{shape_name} shape ({model['architectures'][0]})" if shape_name else "Llama shape"
+    common.write_markdown(common.with_ext(stem, ".md"), f"{title} with random weights: {shape}.\n\n"
                           + "\n".join(lines) + steps + load + f"\n\nMeasured by:\n{measured}\n", provenance)
     print("\n".join(lines))
     import matplotlib

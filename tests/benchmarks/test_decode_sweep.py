@@ -72,3 +72,21 @@ def test_report_targets_and_heatmap(tmp_path):
     sweep.main(["--report", str(path)])
     assert (tmp_path / "decode_sweep.png").stat().st_size > 10_000
     assert "head_dim 64" in (tmp_path / "decode_sweep.md").read_text()
+
+
+def test_e2e_rows_from_shape_results(tmp_path):
+    e2e_doc = {"meta": {"shape": "qwen2.5-7b"},
+               "rows": [{"kv": "bf16", "decode_tok_s_64x8k": 100.0, "decode_tok_s_32x32k": 50.0},
+                        {"kv": "tq4", "decode_tok_s_64x8k": 90.0, "decode_tok_s_32x32k": 80.0},
+                        {"kv": "fp8", "decode_tok_s_64x8k": 120.0}]}
+    path = tmp_path / "h100-qwen2.5-7b.json"
+    path.write_text(json.dumps(e2e_doc))
+    rows = sweep.e2e_rows(path)
+    assert [(r["shape"], r["ours_tok_s"], r["bf16_tok_s"]) for r in rows] == [
+        ("qwen2.5-7b 64x8k", 90.0, 100.0), ("qwen2.5-7b 32x32k", 80.0, 50.0)]
+    doc = {"meta": {"gpu": "GPU", "kv_heads": 8, "block_size": 16, "timing": "t"},
+           "points": [point(1, 128, 64, 8192, 1.0, 0.5)], "e2e": [{"shape": "qwen2.5-7b 64x8k", "ours_tok_s": 1.0,
+                                                                 "bf16_tok_s": 1.0}]}
+    md = sweep.markdown(sweep.with_e2e(doc, [path]))
+    assert "| end to end >= 1.0x bf16 for every model shape | FAIL | 1 of 2 runs; qwen2.5-7b 64x8k 0.90x |" in md
+    assert "| qwen2.5-7b 32x32k | 80.0 | 50.0 | 1.60x |" in md

@@ -63,3 +63,32 @@ def test_tensor_parallel_rows_name_it(tmp_path):
     e2e.write(rows, tmp_path / "e2e", "64x8192", e2e.MODEL)
     assert json.loads((tmp_path / "e2e.json").read_text())["meta"]["tensor_parallel_size"] == 2
     assert "4 KV heads, head_dim 128, tensor parallel 2." in (tmp_path / "e2e.md").read_text()
+
+
+def test_real_model_shapes_load_as_their_architectures(tmp_path):
+    """Each --shape is a config transformers reads as that architecture, with the head size and query-head group the
+    sweep's rows name (a group of 7, head_dim 64 / 96 / 256)."""
+    from transformers import AutoConfig
+
+    want = {"qwen2.5-7b": (128, 7), "smollm2-135m": (64, 3), "phi3-mini": (96, 1), "gemma2-9b": (256, 2)}
+    assert set(e2e.SHAPES) == set(want)
+    for name, (model, engine_args) in e2e.SHAPES.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(model))
+        cfg = AutoConfig.from_pretrained(tmp_path / name)
+        assert type(cfg).__name__.lower().startswith(model["model_type"].replace("_", "")), name
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        assert (head_dim, cfg.num_attention_heads // cfg.num_key_value_heads) == want[name]
+        assert cfg.max_position_embeddings >= 32768 + e2e.GENERATED
+        assert e2e.result_paths(model, gpu="h100", shape=name)[0].name == f"h100-{name}"
+    assert e2e.SHAPES["gemma2-9b"][1] == {"disable_hybrid_kv_cache_manager": True}
+
+
+def test_shape_rows_name_the_architecture(tmp_path):
+    model = e2e.SHAPES["phi3-mini"][0]
+    rows = [dict(kv="bf16", kv_tokens=10, decode_tok_s_64x8k=1.0, command="c"),
+            dict(kv="tq4", kv_tokens=37, decode_tok_s_64x8k=1.5, command="c")]
+    e2e.write(rows, tmp_path / "h100-phi3-mini", "64x8192", model, common.provenance("c"), "phi3-mini")
+    md = (tmp_path / "h100-phi3-mini.md").read_text()
+    assert "phi3-mini shape (Phi3ForCausalLM) with random weights: 8 layers, hidden 3072, 32 q / 32 KV heads, head_dim 96" in md
+    assert json.loads((tmp_path / "h100-phi3-mini.json").read_text())["meta"]["shape"] == "phi3-mini"
