@@ -38,6 +38,8 @@ except ImportError:  # the GPU image may lack pytest: run as a script
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script too: the helpers below import tests.vllm
 
+from tests.vllm.gpu_report import OUR_KERNELS, exit_with, module_checks, run_checks  # noqa: E402
+
 HEAD_DIM, Q_HEADS, KV_HEADS, LAYERS, BLOCK = 128, 8, 2, 4, 16
 MIXED = {"0,-1": "bf16", "1": "k4v3"}  # layer 2 keeps the preset, tq4
 PER_LAYER = [None, "k4v3", "tq4", None]  # the same, for the reference (None: unquantized)
@@ -49,8 +51,6 @@ RUNS = {
     "mixed": {"llm": {"enforce_eager": True, "additional_config": {"turboquant_layer_presets": MIXED}}},
     "mixed_compiled": {"llm": {}, "env": {"TURBOQUANT_LAYER_PRESETS": "0,-1=bf16;1=k4v3"}},  # vLLM's defaults
 }
-OURS = ("_store_kv_kernel", "_dequant_kernel", "_attention_kernel", "_decode_kernel", "_rotate_queries_kernel",
-        "_merge_and_unrotate_kernel")
 
 ENGINE = """
 import json, sys
@@ -172,7 +172,7 @@ def test_compiled_with_cuda_graphs_matches_too():
 
 def test_no_kernel_of_ours_compiles_inside_a_request():
     for name in ("mixed", "mixed_compiled"):
-        assert not [k for k in run(name)["jit"] if k in OURS], (name, run(name)["jit"])
+        assert not [k for k in run(name)["jit"] if k in OUR_KERNELS], (name, run(name)["jit"])
 
 
 def test_startup_line_names_each_layers_preset():
@@ -181,16 +181,6 @@ def test_startup_line_names_each_layers_preset():
 
 
 if __name__ == "__main__":
-    report = {}
-    words = sys.argv[1:]
-    for name, test in dict(globals()).items():
-        if not name.startswith("test_") or (words and not any(w in name for w in words)):
-            continue
-        try:
-            test()
-            report[name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - a report, not a test runner
-            report[name] = f"FAIL {type(exc).__name__}: {str(exc)[:1500]}"
+    report = run_checks(module_checks(dict(globals())), sys.argv[1:])
     summary = {name: {k: v for k, v in r.items() if k != "runs"} for name, r in _done.items()}
-    print(json.dumps({"tests": report, "runs": summary, "logs": str(model()[0].parent)}, indent=1))
-    sys.exit(0 if all(v == "ok" for v in report.values()) else 1)
+    exit_with(report, runs=summary, logs=str(model()[0].parent))

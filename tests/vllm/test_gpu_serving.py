@@ -33,6 +33,10 @@ except ImportError:  # the GPU image may lack pytest: run as a script
     pytest = None
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script too: tests.vllm.gpu_report
+
+from tests.vllm.gpu_report import OUR_KERNELS, exit_with, module_checks, run_checks  # noqa: E402
+
 MODEL_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=5632,
     num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
@@ -135,23 +139,12 @@ def test_chunked_prefill_gives_the_same_tokens():
 
 
 def test_no_kernel_of_ours_compiles_inside_a_request():
-    ours = ("_store_kv_kernel", "_dequant_kernel", "_attention_kernel", "_decode_kernel", "_rotate_queries_kernel",
-            "_merge_and_unrotate_kernel")
     for name in ("tq4", "tq4_eager", "tq4_chunked"):
-        assert not [k for k in run(name)["jit"] if k in ours], (name, run(name)["jit"])
+        assert not [k for k in run(name)["jit"] if k in OUR_KERNELS], (name, run(name)["jit"])
 
 
 if __name__ == "__main__":
-    report = {}
-    words = sys.argv[1:]
-    for name, test in dict(globals()).items():
-        if not name.startswith("test_") or (words and not any(w in name for w in words)):
-            continue
-        try:
-            test()
-            report[name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - a report, not a test runner
-            report[name] = f"FAIL {type(exc).__name__}: {str(exc)[:1500]}"
+    report = run_checks(module_checks(dict(globals())), sys.argv[1:])
     flash = _done.get("flash")
     summary = {
         name: {
@@ -162,5 +155,4 @@ if __name__ == "__main__":
         }
         for name, r in _done.items()
     }
-    print(json.dumps({"tests": report, "runs": summary, "logs": str(workdir())}, indent=1))
-    sys.exit(0 if all(v == "ok" for v in report.values()) else 1)
+    exit_with(report, runs=summary, logs=str(workdir()))
