@@ -1,0 +1,5 @@
+"""Quartet II NVFP4 quantization on the fly (`-q quartet2`) for CloverLM and other bf16 checkpoints.
+
+`nvfp4`: the forward quantizer in plain PyTorch (E2M1 codes, an E4M3 scale per 16 elements, an fp32 tensor scale,
+the "4/6" choice per group): the reference every kernel path of the method is checked against.
+"""

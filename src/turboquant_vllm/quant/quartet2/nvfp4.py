@@ -1,0 +1,100 @@
+"""Quartet II's forward NVFP4 quantizer in plain PyTorch: the reference for every quartet2 kernel path.
+
+A tensor x (..., K), K a multiple of 16, becomes
+    codes   E2M1 values in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with a sign, one per element;
+    scales  one E4M3 scale per group of 16 consecutive elements of the last axis;
+    tensor_scale  fp32, amax(|x|) / (256 * 6),
+and x ~ code * scale * tensor_scale. Each group is quantized twice, with its largest magnitude mapped to 6 (scale
+gmax / 6, E2M1's whole range) and to 4 (scale gmax / 4: finer steps for the bulk, the largest values clipped to 6),
+and keeps the choice with the smaller squared error (the first on a tie). 256 * 6 leaves the E4M3 scales <= 384
+(E4M3's largest is 448) in both choices. Every rounding is to nearest, ties to even: the scales by torch's E4M3
+cast, the codes by E2M1_ROUND.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+GROUP = 16
+E2M1_MAX = 6.0
+TENSOR_SCALE_DIVISOR = 256.0 * E2M1_MAX
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of code i (E2M1: 1 exponent-bias, 1 mantissa)
+# Midpoints between neighbouring magnitudes and where a tie goes (the neighbour with an even mantissa):
+# 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIE_UP = (False, True, False, True, False, True, False)
+
+
+class NVFP4(NamedTuple):
+    codes: torch.Tensor  # uint8 (..., K): sign in bit 3, magnitude index (into E2M1_VALUES) in bits 0..2
+    scales: torch.Tensor  # float8_e4m3fn (..., K / 16)
+    tensor_scale: torch.Tensor  # fp32 scalar
+
+
+def e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """fp32 y -> E2M1 codes (uint8: sign << 3 | magnitude index), magnitudes rounded to nearest, ties to even,
+    clipped to 6."""
+    a = y.abs()
+    index = torch.zeros_like(a, dtype=torch.uint8)
+    for mid, up in zip(_MIDPOINTS, _TIE_UP):
+        index += (a >= mid if up else a > mid).to(torch.uint8)
+    return index | ((y < 0) & (index > 0)).to(torch.uint8) << 3  # -0 is stored as 0
+
+
+def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes -> their fp32 values."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    value = table[(codes & 7).long()]
+    return torch.where(codes & 8 > 0, -value, value)
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.shape[-1] % GROUP:
+        raise ValueError(f"NVFP4 quantizes groups of {GROUP} along the last axis; it has {x.shape[-1]} elements")
+    if not torch.isfinite(x).all():
+        raise ValueError("NVFP4 input holds NaN or inf: the tensor scale (amax / 1536) would be undefined")
+
+
+def quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4:
+    """x (..., K) -> NVFP4 by the 4/6 rule; tensor_scale: a given one (e.g. a weight's), else amax(|x|) / 1536.
+    Worked in units of the tensor scale (|x| / tensor_scale <= 1536), so huge and subnormal inputs stay finite: the
+    group scale is E4M3(gmax / target), the codes E2M1(x / (tensor_scale * scale))."""
+    _check(x)
+    x = x.to(torch.float32)
+    if tensor_scale is None:
+        tensor_scale = x.abs().amax() / TENSOR_SCALE_DIVISOR
+    ts = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device)
+    units = x / torch.where(ts > 0, ts, torch.ones_like(ts))  # an all-zero tensor: every group scale 0
+    groups = units.reshape(*x.shape[:-1], -1, GROUP)
+    gmax = groups.abs().amax(dim=-1, keepdim=True)
+    best_codes = best_scale = best_err = None
+    for target in (E2M1_MAX, 4.0):
+        scale = (gmax / target).to(torch.float8_e4m3fn)
+        step = scale.to(torch.float32)
+        codes = e2m1_round(groups / torch.where(step > 0, step, torch.ones_like(step)))
+        err = ((e2m1_value(codes) * step - groups) ** 2).sum(dim=-1, keepdim=True)
+        if best_err is None:
+            best_codes, best_scale, best_err = codes, scale.view(torch.uint8), err
+        else:
+            better = err < best_err
+            best_codes = torch.where(better, codes, best_codes)
+            best_scale = torch.where(better, scale.view(torch.uint8), best_scale)
+            best_err = torch.minimum(err, best_err)
+    return NVFP4(best_codes.reshape(x.shape), best_scale.squeeze(-1).view(torch.float8_e4m3fn), ts)
+
+
+def dequantize(q: NVFP4) -> torch.Tensor:
+    """code * scale * tensor_scale in fp32."""
+    step = q.scales.to(torch.float32).unsqueeze(-1) * q.tensor_scale
+    return (e2m1_value(q.codes).reshape(*q.codes.shape[:-1], -1, GROUP) * step).reshape(q.codes.shape)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (..., K) -> uint8 (..., K / 2), element 2i in the low nibble (NVFP4's byte order)."""
+    return codes[..., 0::2] | codes[..., 1::2] << 4
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)

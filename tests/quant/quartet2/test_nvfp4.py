@@ -1,0 +1,85 @@
+"""Quartet II's NVFP4 quantizer (quant.quartet2.nvfp4) against first principles: brute-force nearest E2M1 values
+with ties to even, the 4/6 choice by exhaustive error, E4M3 scales in range; zeros, subnormals, huge values."""
+
+import pytest
+import torch
+
+from turboquant_vllm.quant.quartet2 import nvfp4
+
+VALUES = torch.tensor(nvfp4.E2M1_VALUES)
+
+
+def brute_force_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """Nearest of the 8 magnitudes (6 past the end), ties to the even index (even mantissa), the sign kept."""
+    a = y.abs().clamp(max=6.0)
+    dist = (a[:, None] - VALUES[None, :]).abs()
+    nearest = dist == dist.min(dim=1, keepdim=True).values
+    # among equally near magnitudes (at most two), the even index
+    index = torch.where(nearest.sum(dim=1) > 1, (nearest * (torch.arange(8) % 2 == 0)).float().argmax(dim=1),
+                        nearest.float().argmax(dim=1)).to(torch.uint8)
+    return index | ((y < 0) & (index > 0)).to(torch.uint8) << 3
+
+
+def test_e2m1_rounding_matches_brute_force_with_ties_to_even():
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    y = torch.cat([ties, -ties, torch.tensor(nvfp4.E2M1_VALUES), torch.tensor([7.0, 100.0, -0.0, 1e-30, -6.0001]),
+                   torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 3])
+    assert torch.equal(nvfp4.e2m1_round(y), brute_force_e2m1(y))
+    assert nvfp4.e2m1_value(nvfp4.e2m1_round(ties)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (7, 48), (3, 5, 64)])
+def test_the_4_6_choice_is_the_smaller_error(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=gen) * torch.exp(torch.randn(*shape[:-1], 1, generator=gen))
+    x[..., 3] *= 20  # groups with an outlier, where mapping the max to 4 clips it
+    q = nvfp4.quantize(x)
+    assert q.codes.dtype == torch.uint8 and q.scales.dtype == torch.float8_e4m3fn
+    assert q.scales.shape == (*shape[:-1], shape[-1] // 16)
+    ts = x.abs().amax() / 1536
+    assert torch.equal(q.tensor_scale, ts)
+    units = (x / ts).reshape(*shape[:-1], -1, 16)
+    gmax = units.abs().amax(dim=-1)
+    errs = []
+    for target in (6.0, 4.0):  # both choices from first principles
+        scale = (gmax / target).to(torch.float8_e4m3fn).float()
+        codes = brute_force_e2m1((units / scale[..., None]).flatten()).view(units.shape)
+        errs.append(((nvfp4.e2m1_value(codes) * scale[..., None] - units) ** 2).sum(-1))
+    chose_6 = q.scales.float() == (gmax / 6.0).to(torch.float8_e4m3fn).float()
+    assert (torch.where(chose_6, errs[0], errs[1]) <= torch.minimum(errs[0], errs[1])).all()
+    if chose_6.numel() >= 8:
+        assert chose_6.any() and (~chose_6).any()  # both rules win somewhere
+    assert q.scales.float().max() <= 384.0
+    rel = (nvfp4.dequantize(q) - x).norm() / x.norm()
+    assert rel < 0.12
+
+
+def test_zeros_subnormals_and_huge_values_stay_finite():
+    zeros = nvfp4.quantize(torch.zeros(2, 32))
+    assert not zeros.codes.any() and not zeros.scales.float().any() and not nvfp4.dequantize(zeros).any()
+    for magnitude in (1e-40, 1e38):  # fp32 subnormals; near fp32's largest
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)) * magnitude
+        q = nvfp4.quantize(x)
+        back = nvfp4.dequantize(q)
+        assert torch.isfinite(back).all() and torch.isfinite(q.scales.float()).all()
+        if magnitude > 1:  # (the norms of x itself would overflow: compare in units of the magnitude)
+            assert ((back - x) / magnitude).norm() / (x / magnitude).norm() < 0.12
+
+
+def test_a_given_tensor_scale_and_packing():
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
+    q = nvfp4.quantize(x, tensor_scale=torch.tensor(0.01))
+    assert q.tensor_scale.item() == pytest.approx(0.01)
+    packed = nvfp4.pack(q.codes)
+    assert packed.shape == (3, 16) and torch.equal(nvfp4.unpack(packed), q.codes)
+    assert packed[0, 0].item() == q.codes[0, 0].item() | q.codes[0, 1].item() << 4
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="groups of 16"):
+        nvfp4.quantize(torch.zeros(2, 24))
+    for bad in (float("nan"), float("inf")):
+        x = torch.zeros(1, 16)
+        x[0, 5] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            nvfp4.quantize(x)
