@@ -36,16 +36,18 @@ def test_the_4_6_choice_is_the_smaller_error(shape):
     q = nvfp4.quantize(x)
     assert q.codes.dtype == torch.uint8 and q.scales.dtype == torch.float8_e4m3fn
     assert q.scales.shape == (*shape[:-1], shape[-1] // 16)
-    ts = x.abs().amax() / 1536
+    ts = x.abs().amax() * (1 / 256) * torch.tensor(1 / 6)  # Quartet II's order of multiplication
     assert torch.equal(q.tensor_scale, ts)
+    torch.testing.assert_close(ts, x.abs().amax() / 1536)
     units = (x / ts).reshape(*shape[:-1], -1, 16)
     gmax = units.abs().amax(dim=-1)
     errs = []
     for target in (6.0, 4.0):  # both choices from first principles
-        scale = (gmax / target).to(torch.float8_e4m3fn).float()
+        scale = (x.reshape(units.shape).abs().amax(-1) * torch.tensor(1 / target) / ts).to(torch.float8_e4m3fn).float()
         codes = brute_force_e2m1((units / scale[..., None]).flatten()).view(units.shape)
         errs.append(((nvfp4.e2m1_value(codes) * scale[..., None] - units) ** 2).sum(-1))
-    chose_6 = q.scales.float() == (gmax / 6.0).to(torch.float8_e4m3fn).float()
+    chose_6 = q.scales.float() == (x.reshape(units.shape).abs().amax(-1) * torch.tensor(1 / 6) / ts).to(
+        torch.float8_e4m3fn).float()
     assert (torch.where(chose_6, errs[0], errs[1]) <= torch.minimum(errs[0], errs[1])).all()
     if chose_6.numel() >= 8:
         assert chose_6.any() and (~chose_6).any()  # both rules win somewhere
@@ -57,6 +59,7 @@ def test_the_4_6_choice_is_the_smaller_error(shape):
 def test_zeros_subnormals_and_huge_values_stay_finite():
     zeros = nvfp4.quantize(torch.zeros(2, 32))
     assert not zeros.codes.any() and not zeros.scales.float().any() and not nvfp4.dequantize(zeros).any()
+    assert zeros.tensor_scale.item() == 1.0  # as Quartet II sets it
     for magnitude in (1e-40, 1e38):  # fp32 subnormals; near fp32's largest
         x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)) * magnitude
         q = nvfp4.quantize(x)

@@ -3,7 +3,7 @@
 A tensor x (..., K), K a multiple of 16, becomes
     codes   E2M1 values in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with a sign, one per element;
     scales  one E4M3 scale per group of 16 consecutive elements of the last axis;
-    tensor_scale  fp32, amax(|x|) / (256 * 6),
+    tensor_scale  fp32, amax(|x|) / (256 * 6) (1 for an all-zero x),
 and x ~ code * scale * tensor_scale. Each group is quantized twice, with its largest magnitude mapped to 6 (scale
 gmax / 6, E2M1's whole range) and to 4 (scale gmax / 4: finer steps for the bulk, the largest values clipped to 6),
 and keeps the choice with the smaller squared error (the first on a tie). 256 * 6 leaves the E4M3 scales <= 384
@@ -19,7 +19,6 @@ import torch
 
 GROUP = 16
 E2M1_MAX = 6.0
-TENSOR_SCALE_DIVISOR = 256.0 * E2M1_MAX
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of code i (E2M1: 1 exponent-bias, 1 mantissa)
 # Midpoints between neighbouring magnitudes and where a tie goes (the neighbour with an even mantissa):
 # 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
@@ -57,27 +56,36 @@ def _check(x: torch.Tensor) -> None:
         raise ValueError("NVFP4 input holds NaN or inf: the tensor scale (amax / 1536) would be undefined")
 
 
+def tensor_scale_of(x: torch.Tensor) -> torch.Tensor:
+    """amax(|x|) / 256 / 6 in fp32, multiplied in Quartet II's order (amax * (1 / 256) * fp32(1 / 6)); 1 for an
+    all-zero x."""
+    amax = x.abs().amax().to(torch.float32)
+    ts = amax * (1.0 / 256.0) * torch.tensor(1.0 / 6.0, dtype=torch.float32)
+    return torch.where(amax > 0, ts, torch.ones_like(ts))
+
+
 def quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4:
-    """x (..., K) -> NVFP4 by the 4/6 rule; tensor_scale: a given one (e.g. a weight's), else amax(|x|) / 1536.
-    Worked in units of the tensor scale (|x| / tensor_scale <= 1536), so huge and subnormal inputs stay finite: the
-    group scale is E4M3(gmax / target), the codes E2M1(x / (tensor_scale * scale))."""
+    """x (..., K) -> NVFP4 by the 4/6 rule (Quartet II's `four_six_fp4` forward kernel, round_four_six.cu, in its
+    order of operations, with exact division where it multiplies by approximate reciprocals); tensor_scale: a given
+    one (e.g. a weight's), else tensor_scale_of(x). The squared errors are compared in units of the tensor scale
+    (|x| / tensor_scale <= 1536), so huge inputs cannot overflow them; divisions keep subnormal inputs finite."""
     _check(x)
     x = x.to(torch.float32)
-    if tensor_scale is None:
-        tensor_scale = x.abs().amax() / TENSOR_SCALE_DIVISOR
-    ts = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device)
-    units = x / torch.where(ts > 0, ts, torch.ones_like(ts))  # an all-zero tensor: every group scale 0
-    groups = units.reshape(*x.shape[:-1], -1, GROUP)
+    ts = tensor_scale_of(x) if tensor_scale is None else torch.as_tensor(tensor_scale, dtype=torch.float32,
+                                                                         device=x.device)
+    groups = x.reshape(*x.shape[:-1], -1, GROUP)
     gmax = groups.abs().amax(dim=-1, keepdim=True)
+    units = groups / ts
     best_codes = best_scale = best_err = None
     for target in (E2M1_MAX, 4.0):
-        scale = (gmax / target).to(torch.float8_e4m3fn)
-        step = scale.to(torch.float32)
-        codes = e2m1_round(groups / torch.where(step > 0, step, torch.ones_like(step)))
-        err = ((e2m1_value(codes) * step - groups) ** 2).sum(dim=-1, keepdim=True)
+        s_group = gmax * torch.tensor(1.0 / target, dtype=torch.float32)
+        scale = (s_group / ts).to(torch.float8_e4m3fn)
+        fp8s = scale.to(torch.float32)
+        codes = e2m1_round(groups / (torch.where(fp8s > 0, fp8s, torch.ones_like(fp8s)) * ts))
+        err = ((e2m1_value(codes) * fp8s - units) ** 2).sum(dim=-1, keepdim=True)
         if best_err is None:
             best_codes, best_scale, best_err = codes, scale.view(torch.uint8), err
-        else:
+        else:  # a tie keeps the first choice (6)
             better = err < best_err
             best_codes = torch.where(better, codes, best_codes)
             best_scale = torch.where(better, scale.view(torch.uint8), best_scale)
