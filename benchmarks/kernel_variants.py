@@ -2,8 +2,9 @@
 split count against the launch policy's choice, CUDA-graph replay, plus the relative error against the PyTorch
 reference (ops.attention.naive) on 2 sequences (one with a ragged tail).
 
-    python -m benchmarks kernel_variants [NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,MIN_SPLIT]]] ...]
-        # MAXNREG 0: no cap; STAGES default 3; SPLITS 0: the policy's; MIN_SPLIT: least tokens a split (0: the policy's)
+    python -m benchmarks kernel_variants [NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,MIN_SPLIT[,MERGE_ROWS]]]] ...]
+        # MAXNREG 0: no cap; STAGES default 3; SPLITS 0: the policy's; MIN_SPLIT: least tokens a split, MERGE_ROWS:
+        # rows a merge program takes (0: the policy's)
         [--shapes "16,4,64,8192;16,4,32,32768;32,8,64,8192"]   # q heads, KV heads, batch, context
         [--presets tq4] [--head-dims 128] [--out PATH]
 
@@ -32,16 +33,17 @@ SHAPES = "16,4,64,8192;16,4,32,32768;32,8,64,8192"
 
 
 def configs(specs: list[str]) -> dict[str, dict]:
-    """NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,MIN_SPLIT]]] specs -> paged_attention options by name, after the
-    policy's."""
+    """NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,MIN_SPLIT[,MERGE_ROWS]]]] specs -> paged_attention options by name,
+    after the policy's."""
     out: dict[str, dict] = {"policy": {}}  # the launch paged_attention chooses itself
     for spec in specs:
         name, values = spec.split("=")
         warps, block_n, regs, *rest = map(int, values.split(","))
-        stages, splits, min_split = rest + [3, 0, 0][len(rest):]  # defaults: 3 stages, the policy's splits
+        stages, splits, min_split, merge_rows = rest + [3, 0, 0, 0][len(rest):]  # 3 stages, the rest the policy's
         out[name] = {"num_warps": warps, "block_n": block_n, "max_registers": regs, "num_stages": stages,
                      **({"num_splits": splits} if splits else {}),
-                     **({"min_split_tokens": min_split} if min_split else {})}
+                     **({"min_split_tokens": min_split} if min_split else {}),
+                     **({"merge_rows": merge_rows} if merge_rows else {})}
     return out
 
 

@@ -4,13 +4,15 @@ from benchmarks import kernel_variants as kv
 
 
 def test_variant_specs_default_stages_and_splits():
-    got = kv.configs(["a=1,32,168", "b=1,64,0,5", "c=4,128,0,3,16", "d=1,32,168,5,32,32"])
+    got = kv.configs(["a=1,32,168", "b=1,64,0,5", "c=4,128,0,3,16", "d=1,32,168,5,32,32", "e=1,32,168,5,64,0,2"])
     assert got["policy"] == {}
     assert got["a"] == {"num_warps": 1, "block_n": 32, "max_registers": 168, "num_stages": 3}
     assert got["b"] == {"num_warps": 1, "block_n": 64, "max_registers": 0, "num_stages": 5}
     assert got["c"]["num_splits"] == 16 and "min_split_tokens" not in got["c"]
     assert got["d"] == {"num_warps": 1, "block_n": 32, "max_registers": 168, "num_stages": 5, "num_splits": 32,
                         "min_split_tokens": 32}
+    assert got["e"] == {"num_warps": 1, "block_n": 32, "max_registers": 168, "num_stages": 5, "num_splits": 64,
+                        "merge_rows": 2}
     assert kv.shapes_of(kv.SHAPES) == [(16, 4, 64, 8192), (16, 4, 32, 32768), (32, 8, 64, 8192)]
 
 

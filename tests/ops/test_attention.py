@@ -181,6 +181,10 @@ def test_workspace_is_caller_provided():
     assert (out.float() - ref).norm() / ref.norm() < 5e-3
     with pytest.raises(ValueError, match="workspace"):
         paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws[:10], num_splits=4)
+    out.fill_(float("nan"))  # the launch options of kernel_variants: a split floor, merge programs of 3 rows
+    paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws, num_splits=4, min_split_tokens=32,
+                    merge_rows=3)
+    assert (out.float() - ref).norm() / ref.norm() < 5e-3
 
 
 @pytest.mark.parametrize("preset,dtype", [("tq4", torch.bfloat16), ("tq3", torch.float16)])

@@ -76,6 +76,25 @@ def test_merge_and_unrotate_matches_reference(head_dim, splits, dtype):
     torch.testing.assert_close(out.float().cpu().view(rows, head_dim), ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows_per_program", [1, 3, 16])
+def test_merge_with_fewer_rows_a_program(rows_per_program):
+    """A small batch's merge spread over more programs (rows_per_program < the tile's 16): every row written once,
+    the same values as the reference, 64 splits."""
+    gen = torch.Generator().manual_seed(rows_per_program)
+    tokens, q_heads, head_dim, splits = 2, 9, 128, 64
+    rows = tokens * q_heads
+    layout = layout_for(head_dim, 1)
+    acc = torch.randn(rows, splits, head_dim, generator=gen)
+    ml = torch.stack((torch.randn(rows, splits, generator=gen) * 4, torch.rand(rows, splits, generator=gen) + 0.1), 1)
+    out = torch.full((tokens, q_heads, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    merge_and_unrotate(acc.to(DEVICE), ml.to(DEVICE), splits, out, layout, rows_per_program=rows_per_program)
+    ref = merge_and_unrotate_reference(acc, ml, kernel_constants(layout, "cpu").rotation)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float().cpu().view(rows, head_dim), ref, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match=r"rows_per_program must lie in \[1, 16\]"):
+        merge_and_unrotate(acc.to(DEVICE), ml.to(DEVICE), splits, out, layout, rows_per_program=17)
+
+
 def unrotate(rotated: torch.Tensor, out: torch.Tensor, layout: CacheLayout) -> None:
     """out = rotated @ R through the merge with one split (row maximum 0, sum 1)."""
     rows = rotated.shape[0] * rotated.shape[1]

@@ -60,13 +60,14 @@ def paged_attention(
     key_calibration: KeyCalibration | None = None,
     max_registers: int | None = None,
     min_split_tokens: int | None = None,
+    merge_rows: int | None = None,
     rotated_query: RotatedQuery | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
     key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice), min_split_tokens (the decode
-    kernel's least tokens a split): None takes the launch policy's choice (launch.py) for
+    kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate): None takes the launch policy's choice (launch.py) for
     decode, the general kernel's otherwise. rotated_query: the query already in the cache's basis (and its
     offsets under the key calibration), as store_kv(..., query=query, query_scale=scale) returns it with the step's
     keys (one launch fewer).
@@ -157,4 +158,4 @@ def paged_attention(
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DECODE_ONLY=decode_only,
             **common,
         )
-    return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout)
+    return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout, merge_rows)

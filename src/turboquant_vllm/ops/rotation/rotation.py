@@ -116,13 +116,15 @@ def _rotate_queries_kernel(
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads"])
 def _merge_and_unrotate_kernel(
     acc_ptr, ml_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
-    S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """out[row] = o[row] @ R, cast to out's dtype, o the softmax merge of NUM_SPLITS partials (unnormalized acc
-    (rows, splits, d), row maxima (log2) and sums in ml); any number of splits, padded to S_PAD = a power of two."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_rows
+    (rows, splits, d), row maxima (log2) and sums in ml); any number of splits, padded to S_PAD = a power of two.
+    Each program merges ROWS <= BLOCK_R rows (the MMA's tile keeps BLOCK_R >= 16; the rest masked)."""
+    r = tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0) * ROWS + r
+    row_ok = (r < ROWS) & (rows < num_rows)
     s = tl.arange(0, S_PAD)
     s_ok = row_ok[:, None] & (s[None, :] < NUM_SPLITS)
     ml = ml_ptr + rows[:, None] * (2 * NUM_SPLITS) + s[None, :]
@@ -188,9 +190,11 @@ def rotate_queries(
 
 
 def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, out: torch.Tensor,
-                       layout: CacheLayout) -> torch.Tensor:
+                       layout: CacheLayout, rows_per_program: int | None = None) -> torch.Tensor:
     """out = (softmax merge of the split partials) @ R: part_acc (rows, splits, head_dim) unnormalized
-    accumulators, part_ml (rows, 2, splits) log2-domain row maxima and sums, rows = (token, q head)."""
+    accumulators, part_ml (rows, 2, splits) log2-domain row maxima and sums, rows = (token, q head).
+    rows_per_program: 1 .. the launch's tile rows (launch_shape; the default): fewer spread a small batch's
+    partials over more programs."""
     tokens, q_heads, head_dim = out.shape
     if out.stride(2) != 1:
         raise ValueError("out must be contiguous in head_dim")
@@ -199,10 +203,13 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
         return out
     rotation = kernel_constants(layout, out.device).rotation
     block_r, warps = launch_shape(rows, head_dim)
+    per_program = rows_per_program or block_r
+    if not 1 <= per_program <= block_r:
+        raise ValueError(f"rows_per_program must lie in [1, {block_r}], got {rows_per_program}")
     s_pad = next_pow2(num_splits)
-    _merge_and_unrotate_kernel[(triton.cdiv(rows, block_r),)](
+    _merge_and_unrotate_kernel[(triton.cdiv(rows, per_program),)](
         part_acc, part_ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-        S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r,
+        S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r, ROWS=per_program,
         BLOCK_K=max(16, min(32, 512 // (s_pad * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
     )
     return out
