@@ -92,3 +92,18 @@ def test_shape_rows_name_the_architecture(tmp_path):
     md = (tmp_path / "h100-phi3-mini.md").read_text()
     assert "phi3-mini shape (Phi3ForCausalLM) with random weights: 8 layers, hidden 3072, 32 q / 32 KV heads, head_dim 96" in md
     assert json.loads((tmp_path / "h100-phi3-mini.json").read_text())["meta"]["shape"] == "phi3-mini"
+
+
+def test_vllm_takes_every_shape(tmp_path):
+    """vLLM's own model config (architecture, head size, KV heads, the runs' context) accepts each --shape, so a
+    device run does not find out."""
+    from vllm.config import ModelConfig
+
+    for name, (model, _) in e2e.SHAPES.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(model))
+        cfg = ModelConfig(model=str(tmp_path / name), skip_tokenizer_init=True, dtype="bfloat16",
+                          max_model_len=32768 + e2e.GENERATED + 8, seed=0)
+        assert cfg.architectures == model["architectures"]
+        head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+        assert (cfg.get_head_size(), cfg.get_total_num_kv_heads()) == (head_dim, model["num_key_value_heads"])
