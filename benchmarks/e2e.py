@@ -89,8 +89,10 @@ def model_config(heads: str) -> dict:
 
 def config_name(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, at_limit_generate: int = 0,
                 shape: str | None = None) -> str:
-    """<what> of the result path: <shape> or llama<layers>l-<Q>q<KV>kv, then [-tp<N>][-<runs>][-at-limit-<context>-gen<N>]."""
-    name = shape or f"llama{model['num_hidden_layers']}l-{model['num_attention_heads']}q{model['num_key_value_heads']}kv"
+    """<what> of the result path: <shape> or llama<layers>l-<Q>q<KV>kv, then
+    [-tp<N>][-<runs>][-at-limit-<context>-gen<N>]."""
+    heads = f"{model['num_attention_heads']}q{model['num_key_value_heads']}kv"
+    name = shape or f"llama{model['num_hidden_layers']}l-{heads}"
     name += f"-tp{tp}" if tp > 1 else ""
     if runs != RUNS:
         name += "-" + "-".join(common.shape_tag(*(int(x) for x in r.split("x"))) for r in runs.split(","))
@@ -152,7 +154,8 @@ class Steps:
 
 
 def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, at_limit: int,
-           at_limit_generate: int = GENERATED, capture_max: int = 0, tp: int = 1, engine_args: dict | None = None) -> dict:
+           at_limit_generate: int = GENERATED, capture_max: int = 0, tp: int = 1,
+           engine_args: dict | None = None) -> dict:
     """Runs inside a fresh process: one engine, every measurement for this KV cache."""
     import random
     import statistics

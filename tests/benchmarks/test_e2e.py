@@ -90,7 +90,8 @@ def test_shape_rows_name_the_architecture(tmp_path):
             dict(kv="tq4", kv_tokens=37, decode_tok_s_64x8k=1.5, command="c")]
     e2e.write(rows, tmp_path / "h100-phi3-mini", "64x8192", model, common.provenance("c"), "phi3-mini")
     md = (tmp_path / "h100-phi3-mini.md").read_text()
-    assert "phi3-mini shape (Phi3ForCausalLM) with random weights: 8 layers, hidden 3072, 32 q / 32 KV heads, head_dim 96" in md
+    assert ("phi3-mini shape (Phi3ForCausalLM) with random weights: 8 layers, hidden 3072, 32 q / 32 KV heads, "
+            "head_dim 96") in md
     assert json.loads((tmp_path / "h100-phi3-mini.json").read_text())["meta"]["shape"] == "phi3-mini"
 
 

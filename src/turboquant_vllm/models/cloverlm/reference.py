@@ -9,8 +9,9 @@ fp32 for bf16 and fp32 inputs alike (at::opmath_type), so NORM_EPS = 2^-23, not 
 
 Checkpoint names (model.safetensors): transformer.emb.weight, transformer.blocks.{i}.mhsa.{lq,lk,lv,lo}.weight,
 transformer.blocks.{i}.mhsa.scale (1, heads, 1, 1), transformer.blocks.{i}.out_att_norm.weight,
-transformer.blocks.{i}.mlp.l1.0.weight, transformer.blocks.{i}.mlp.l2.weight, transformer.blocks.{i}.out_mlp_norm.weight,
-transformer.out_norm.weight, transformer.linear.weight (the embedding's when tied).
+transformer.blocks.{i}.mlp.l1.0.weight, transformer.blocks.{i}.mlp.l2.weight,
+transformer.blocks.{i}.out_mlp_norm.weight, transformer.out_norm.weight, transformer.linear.weight (the
+embedding's when tied).
 """
 
 from __future__ import annotations

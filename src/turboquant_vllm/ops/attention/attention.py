@@ -67,10 +67,10 @@ def paged_attention(
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
     key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice), min_split_tokens (the decode
-    kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate): None takes the launch policy's choice (launch.py) for
-    decode, the general kernel's otherwise. rotated_query: the query already in the cache's basis (and its
-    offsets under the key calibration), as store_kv(..., query=query, query_scale=scale) returns it with the step's
-    keys (one launch fewer).
+    kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate): None
+    takes the launch policy's choice (launch.py) for decode, the general kernel's otherwise. rotated_query: the query
+    already in the cache's basis (and its offsets under the key calibration), as store_kv(..., query=query,
+    query_scale=scale) returns it with the step's keys (one launch fewer).
     validate=False: the caller has checked kv_cache against layout already (the vLLM backend, once per forward)."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)
