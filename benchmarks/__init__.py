@@ -29,5 +29,7 @@ BENCHMARKS = {
                                "error (CPU)",
     "kernel_variants": "decode attention under launch variants (warps, tiles, registers, stages, splits) vs the launch "
                        "policy, with the error vs the reference (GPU)",
+    "awq_gemm": "AWQ int4 GEMM: TurboMind's kernels vs vLLM's AWQ kernels and the dense matmul, per layer shape and "
+                "token count (GPU)",
     "kernel_sass": "compile a kernel for sm_90 offline (no GPU): registers, spills, the main loop's instruction mix",
 }

@@ -70,13 +70,14 @@ def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx:
         store_kv(k, v, cache, (ids[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten(), layout)
     table = torch.randperm(num_blocks, device="cuda", generator=gen).view(batch, -1).to(torch.int32)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    seq_lens[1] = ctx - 37  # a ragged tail
+    seq_lens[-1] = ctx - 37  # a ragged tail
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     q = (torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     out = torch.empty_like(q)
     splits = decode_num_splits(batch, layout)
-    q2, lens2 = q[:2], seq_lens[:2].clamp(max=3000)
-    ref = paged_attention_reference(q2, cache, layout, table, qsl[:3], lens2, head_dim**-0.5)
+    checked = min(batch, 2)  # sequences checked against the reference (the last one ragged)
+    q2, lens2 = q[-checked:], seq_lens[-checked:].clamp(max=3000)
+    ref = paged_attention_reference(q2, cache, layout, table[-checked:], qsl[:checked + 1], lens2, head_dim**-0.5)
     rows = []
     for name, kw in variants.items():
         kw = {"num_splits": splits, **kw}
@@ -97,7 +98,8 @@ def run(variants: dict[str, dict], q_heads: int, kv_heads: int, batch: int, ctx:
             print(line(rows[-1]), flush=True)
             continue
         o = torch.full_like(q2, float("nan"))
-        paged_attention(q2, cache, layout, table, qsl[:3], lens2, max_query_len=1, scale=head_dim**-0.5, out=o, **kw)
+        paged_attention(q2, cache, layout, table[-checked:], qsl[:checked + 1], lens2, max_query_len=1,
+                        scale=head_dim**-0.5, out=o, **kw)
         rows.append(dict(row, time_ms=ms, gbps=batch * ctx * kv_heads * layout.bytes_per_token_per_head / ms / 1e6,
                          rel_error=((o.float() - ref).norm() / ref.norm()).item(), nan=o.isnan().any().item()))
         print(line(rows[-1]), flush=True)
