@@ -185,6 +185,12 @@ def test_workspace_is_caller_provided():
     paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws, num_splits=4, min_split_tokens=32,
                     merge_rows=3)
     assert (out.float() - ref).norm() / ref.norm() < 5e-3
+    # splits past the context are empty: the decode kernel writes their row maxima only and the merge reads no
+    # accumulator of theirs, so a workspace poisoned with NaN stays out of the output
+    ws8 = torch.full(attention_workspace_shape(2, 8, 64, 8), float("nan"), dtype=torch.float32, device=DEVICE)
+    out.fill_(float("nan"))
+    paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws8, num_splits=8, min_split_tokens=32)
+    assert (out.float() - ref).norm() / ref.norm() < 5e-3
 
 
 @pytest.mark.parametrize("preset,dtype", [("tq4", torch.bfloat16), ("tq3", torch.float16)])
@@ -235,13 +241,17 @@ def test_rejects_bad_input():
 def test_decode_launch_only_where_it_was_measured_to_pay():
     """tq4 up to head_dim 128: one warp, loads two tiles ahead, 168 registers, ~6 programs per SM; the narrower
     presets and tq4 at 256: one tile ahead, 24 programs per SM, 168 registers at head_dim 65..128 only; k5v4 (the
-    general kernel): 4 warps, 2 per SM (benchmarks/results/kernel_variants/h200-decode-tables-stages-launch.log)."""
+    general kernel): 4 warps, 2 per SM (benchmarks/results/kernel_variants/h200-decode-tables-stages-launch.log).
+    One sequence: up to 64 splits in the per-warp kernel, 32 in the general one; merge programs of 4 rows up to 64
+    rows (h200-tq4-one-sequence-d*.md)."""
     from turboquant_vllm.core.presets import get_preset
     from turboquant_vllm.ops.attention import AttentionLaunch, decode_launch
+    from turboquant_vllm.ops.attention.launch import decode_merge_rows
 
     got = {(p, d): decode_launch(get_preset(p), d)
            for p in ("tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4") for d in (64, 96, 128, 256)}
     want = {(p, d): AttentionLaunch(4, 3, 0, 2) if p == "k5v4"
-            else AttentionLaunch(1, 5, 168, 6) if p == "tq4" and d <= 128
-            else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24) for p, d in got}
+            else AttentionLaunch(1, 5, 168, 6, 64) if p == "tq4" and d <= 128
+            else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24, 64) for p, d in got}
     assert got == want
+    assert [decode_merge_rows(r) for r in (1, 32, 64, 65, 4096)] == [4, 4, 4, None, None]

@@ -33,6 +33,7 @@ from .launch import (
     MIN_SPLIT_TOKENS,
     attention_workspace_shape,
     decode_launch,
+    decode_merge_rows,
     decode_num_splits,
     num_sms,
     per_warp_decode,
@@ -158,4 +159,6 @@ def paged_attention(
             G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DECODE_ONLY=decode_only,
             **common,
         )
+    if merge_rows is None and decode_only:
+        merge_rows = decode_merge_rows(rows)
     return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout, merge_rows)
