@@ -185,8 +185,8 @@ def test_workspace_is_caller_provided():
     paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws, num_splits=4, min_split_tokens=32,
                     merge_rows=3)
     assert (out.float() - ref).norm() / ref.norm() < 5e-3
-    # splits past the context are empty: the decode kernel writes their row maxima only and the merge reads no
-    # accumulator of theirs, so a workspace poisoned with NaN stays out of the output
+    # splits past the context are empty: their partials weigh nothing, so a workspace poisoned with NaN stays out of
+    # the output
     ws8 = torch.full(attention_workspace_shape(2, 8, 64, 8), float("nan"), dtype=torch.float32, device=DEVICE)
     out.fill_(float("nan"))
     paged_attention(*args, max_query_len=1, scale=0.125, out=out, workspace=ws8, num_splits=8, min_split_tokens=32)

@@ -140,14 +140,13 @@ def _decode_kernel(
     w = tl.exp2(m_i - m_safe[None, :])
     out_rows = token * NUM_Q_HEADS + head
     part = part_acc_ptr + (out_rows[None, :] * NUM_SPLITS + split) * HEAD_DIM
-    live = row_ok & (start < end)  # an empty split stores its row maxima only (-inf): the merge reads no more
     even = 2 * pair_index(tl.arange(0, DC), V_BITS, HEAD_DIM)
-    ok = (even[:, None] < HEAD_DIM) & live[None, :]
+    ok = (even[:, None] < HEAD_DIM) & row_ok[None, :]
     tl.store(part + even[:, None], tl.sum(acc_e0 * w[:, None, :], axis=0), mask=ok)
     tl.store(part + even[:, None] + 1, tl.sum(acc_o0 * w[:, None, :], axis=0), mask=ok)
     if V_CHUNKS == 2:
         even = 2 * pair_index(DC + tl.arange(0, DC), V_BITS, HEAD_DIM)
-        ok = (even[:, None] < HEAD_DIM) & live[None, :]
+        ok = (even[:, None] < HEAD_DIM) & row_ok[None, :]
         tl.store(part + even[:, None], tl.sum(acc_e1 * w[:, None, :], axis=0), mask=ok)
         tl.store(part + even[:, None] + 1, tl.sum(acc_o1 * w[:, None, :], axis=0), mask=ok)
     ml = part_ml_ptr + out_rows * (2 * NUM_SPLITS) + split

@@ -17,7 +17,7 @@ from ..utils import next_pow2
 
 NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs)
 # Splits of one sequence's context: up to 32, each of at least 256 tokens (8 tiles of 32), so a short context leaves
-# the splits past it empty (the merge skips them: no bytes move for an empty split). H100
+# the splits past it empty (partials of zero weight). H100
 # (benchmarks/results/kernel_variants/h100-tq4-split-floor-d{128,256}.md): the floor takes 11% off d 256, 16 x 2k
 # (0.1691 -> 0.1500 ms) and is neutral where splits hold >= 256 tokens anyway. One sequence takes up to 64 splits:
 # H200 (h200-tq4-one-sequence-d{64,128,256}.md) 1 x 128k 0.1325 -> 0.0841 ms at d 128, 1 x 32k 0.0289 -> 0.0201 at

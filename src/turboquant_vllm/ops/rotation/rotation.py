@@ -135,13 +135,12 @@ def _merge_and_unrotate_kernel(
     w = tl.exp2(m - m_max[:, None])
     total = tl.sum(w * l_part, axis=1)
     w = w / tl.where(total == 0.0, 1.0, total)[:, None]  # a row that saw no key stays 0
-    live = s_ok & (m > float("-inf"))  # an empty split's accumulator is never read (the decode kernel skips it)
     acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
     for k0 in tl.static_range(0, D_PAD, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ok = row_ok[:, None] & (k[None, :] < HEAD_DIM)
         part = tl.load(acc_ptr + (rows[:, None, None] * NUM_SPLITS + s[None, :, None]) * HEAD_DIM + k[None, None, :],
-                       mask=ok[:, None, :] & live[:, :, None], other=0.0)
+                       mask=ok[:, None, :] & s_ok[:, :, None], other=0.0)
         x = tl.sum(part * w[:, :, None], axis=1)
         acc = tl.dot(x, matrix_rows(rot_ptr, k0, HEAD_DIM, 1, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
     token = rows // num_q_heads
