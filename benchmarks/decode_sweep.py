@@ -52,12 +52,12 @@ def bf16_kv_bytes(batch: int, context: int, kv_heads: int, head_dim: int) -> int
     return batch * context * kv_heads * head_dim * 2 * 2
 
 
-def split_candidates(batch: int, kv_heads: int, sms: int, programs_per_sm: int, policy_splits: int) -> list[int]:
+def split_candidates(batch: int, kv_heads: int, sms: int, programs_per_sm: int, policy_splits: int,
+                     most: int = MAX_SPLIT_CANDIDATE) -> list[int]:
     """Split counts above the policy's, up to the one that gives every SM programs_per_sm programs uncapped, at most
-    MAX_SPLIT_CANDIDATE (256 and 512 splits took 5-10x the time of 64 at d 256): empty where the policy is not
-    capped."""
+    `most` (256 and 512 splits took 5-10x the time of 64 at d 256): empty where the policy is not capped."""
     want = 2 ** math.ceil(math.log2(max(1.0, programs_per_sm * sms / max(1, batch * kv_heads))))
-    want = min(want, MAX_SPLIT_CANDIDATE)
+    want = min(want, most)
     out, s = [], policy_splits * 2
     while s <= want:
         out.append(s)
@@ -140,7 +140,8 @@ def run(args) -> dict:
     for g, d, b, _ in todo:
         layout = CacheLayout(get_preset(PRESET), d, args.kv_heads, 16)
         policy = decode_num_splits(b, layout, sms)
-        extra = split_candidates(b, args.kv_heads, sms, decode_launch(layout.preset, d).programs_per_sm, policy)
+        extra = split_candidates(b, args.kv_heads, sms, decode_launch(layout.preset, d).programs_per_sm, policy,
+                                 args.max_probe_splits)
         splits[(g, d, b)] = (policy, extra)
         jobs[(g, d, b)] = (g, d, b, args.kv_heads, extra)
     if args.compile_workers > 0:
@@ -354,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=KV_HEADS)
     ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes that compile the kernels first (0: compile while timing)")
+    ap.add_argument("--max-probe-splits", type=int, default=MAX_SPLIT_CANDIDATE,
+                    help="largest split count timed beside the policy's (32: none; 64-split launches faulted with an "
+                         "illegal address in long sweeps, see NOTES.md)")
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; stop starting points after it (0: none)")
     ap.add_argument("--merge", action="store_true", help="keep the points of the existing result not measured now")
     ap.add_argument("--report", type=Path, help="re-render this JSON's Markdown and heat map (no GPU)")
