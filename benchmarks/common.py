@@ -192,8 +192,13 @@ def shape_tag(batch: int, context: int) -> str:
 def time_ms(fn, cuda_graph: bool = True, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of fn on the GPU: replayed from a CUDA graph (launch overhead out), or launched as is
     (what vLLM runs uncaptured, e.g. prefill steps)."""
+    import torch
     import triton
 
+    # do_bench_cudagraph runs fn on a stream of its own, which does not wait for the default stream: without this,
+    # fn could read a cache or block table whose writes (store_kv, host copies) are still queued there. It did: an
+    # illegal address in decode_sweep, gone under CUDA_LAUNCH_BLOCKING=1 (NOTES.md).
+    torch.cuda.synchronize()
     if cuda_graph:
         return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
