@@ -356,8 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes that compile the kernels first (0: compile while timing)")
     ap.add_argument("--max-probe-splits", type=int, default=MAX_SPLIT_CANDIDATE,
-                    help="largest split count timed beside the policy's (32: none; 64-split launches faulted with an "
-                         "illegal address in long sweeps, see NOTES.md)")
+                    help="largest split count timed beside the policy's (the policy's own count: none)")
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; stop starting points after it (0: none)")
     ap.add_argument("--merge", action="store_true", help="keep the points of the existing result not measured now")
     ap.add_argument("--report", type=Path, help="re-render this JSON's Markdown and heat map (no GPU)")

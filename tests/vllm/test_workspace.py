@@ -78,7 +78,11 @@ def test_no_workspace_manager_no_reservation(vllm_config, bf16_default):
 def test_split_choice_is_the_kernels_and_fixed_by_batch_shape(sms, preset, head_dim):
     p = get_preset(preset)
     layout = cache_layout(p, head_dim, 8, 16)
-    per_sm = decode_launch(p, head_dim).programs_per_sm
-    for seqs in (1, 2, 3, 8, 64, 256):
-        assert decode_num_splits(seqs, layout, sms) == split_count(seqs, 8, sms, per_sm)
+    launch = decode_launch(p, head_dim)
+    for seqs in (2, 3, 8, 64, 256):
+        assert decode_num_splits(seqs, layout, sms) == split_count(seqs, 8, sms, launch.programs_per_sm)
+    # one sequence: the per-warp decode kernel takes up to 64 splits, the general kernel (5-bit keys) 32
+    one = decode_num_splits(1, layout, sms)
+    assert one == split_count(1, 8, sms, launch.programs_per_sm, launch.max_splits_one_sequence)
+    assert one == (64 if preset != "k5v4" else 32)
     assert decode_num_splits(0, layout, sms) == 1

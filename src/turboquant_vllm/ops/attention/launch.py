@@ -19,10 +19,12 @@ NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs
 # Splits of one sequence's context: up to 32, each of at least 256 tokens (8 tiles of 32), so a short context leaves
 # the splits past it empty (partials of zero weight). H100
 # (benchmarks/results/kernel_variants/h100-tq4-split-floor-d{128,256}.md): the floor takes 11% off d 256, 16 x 2k
-# (0.1691 -> 0.1500 ms) and is neutral where splits hold >= 256 tokens anyway. One sequence at 64 splits ran 1.3-1.6x
-# faster from 32k tokens on (h100-tq4-one-sequence-policy.md) but faulted with an illegal address in long benchmark
-# processes (not reproduced alone under compute-sanitizer): kept at 32 until that is understood.
+# (0.1691 -> 0.1500 ms) and is neutral where splits hold >= 256 tokens anyway. One sequence takes up to 64 splits:
+# H100 (h100-tq4-one-sequence-policy.md) 1 x 128k 0.1274 -> 0.0844 ms at d 128, 0.0824 -> 0.0508 at d 64, 0.3401 ->
+# 0.2396 at d 256, 1 x 32k 1.2x; it costs 1 x 8k at d 128 0.0257 -> 0.0294. At two sequences 64 lost (H200
+# h200-tq4-one-sequence-d128.md: 2 x 8k 0.0270 -> 0.0315 ms).
 MAX_SPLITS = 32
+MAX_SPLITS_ONE_SEQUENCE = 64
 MIN_SPLIT_TOKENS = 256
 # A merge program takes 4 rows (of 16 in its MMA tile) up to 64 rows, so one or two sequences' partials spread over
 # more SMs: H200 (h200-tq4-one-sequence-d128.md) 2 x 32k 0.0522 -> 0.0502 ms at d 128, H100 0.0524 -> 0.0508; from
@@ -53,6 +55,7 @@ class AttentionLaunch:
     num_stages: int  # Triton's pipeline depth: 5 gives each of the loop's loads two buffers, 2..4 one
     max_registers: int  # per thread; 0: the compiler's choice
     programs_per_sm: int  # the split count's target (split_count)
+    max_splits_one_sequence: int = MAX_SPLITS  # the split cap when the batch is one sequence
 
 
 GENERAL_LAUNCH = AttentionLaunch(4, 3, 0, 1)  # the general kernel outside decode: one split
@@ -68,16 +71,19 @@ def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
         return AttentionLaunch(4, 3, 0, 2)
     width = next_pow2(head_dim)
     if preset.k_bits == 4 and preset.v_bits == 4:
-        return AttentionLaunch(1, 5, 168, 6) if width <= 128 else AttentionLaunch(1, 3, 0, 24)
-    return AttentionLaunch(1, 3, 168 if width == 128 else 0, 24)
+        if width <= 128:
+            return AttentionLaunch(1, 5, 168, 6, MAX_SPLITS_ONE_SEQUENCE)
+        return AttentionLaunch(1, 3, 0, 24, MAX_SPLITS_ONE_SEQUENCE)
+    return AttentionLaunch(1, 3, 168 if width == 128 else 0, 24, MAX_SPLITS_ONE_SEQUENCE)
 
 
-def split_count(num_seqs: int, num_kv_heads: int, sms: int, programs_per_sm: int) -> int:
+def split_count(num_seqs: int, num_kv_heads: int, sms: int, programs_per_sm: int,
+                max_splits: int = MAX_SPLITS) -> int:
     """Splits so that sequences x KV heads x splits give every SM about programs_per_sm programs, rounded up to a
-    power of two, at most MAX_SPLITS. Depends on the batch shape only, so a captured CUDA graph replays correctly
+    power of two, at most max_splits. Depends on the batch shape only, so a captured CUDA graph replays correctly
     (the decode kernel leaves the splits past a short context empty: MIN_SPLIT_TOKENS)."""
     programs = max(1, num_seqs * num_kv_heads)
-    return max(1, min(MAX_SPLITS, next_pow2(math.ceil(programs_per_sm * sms / programs))))
+    return max(1, min(max_splits, next_pow2(math.ceil(programs_per_sm * sms / programs))))
 
 
 def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None) -> int:
@@ -85,7 +91,8 @@ def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None
     if not num_seqs:
         return 1
     launch = decode_launch(layout.preset, layout.head_dim)
-    return split_count(num_seqs, layout.num_kv_heads, sms or num_sms(), launch.programs_per_sm)
+    cap = launch.max_splits_one_sequence if num_seqs == 1 else MAX_SPLITS
+    return split_count(num_seqs, layout.num_kv_heads, sms or num_sms(), launch.programs_per_sm, cap)
 
 
 def decode_merge_rows(rows: int) -> int | None:
