@@ -1,5 +1,7 @@
 """Quartet II NVFP4 quantization on the fly (`-q quartet2`) for CloverLM and other bf16 checkpoints.
 
 `nvfp4`: the forward quantizer in plain PyTorch (E2M1 codes, an E4M3 scale per 16 elements, an fp32 tensor scale,
-the "4/6" choice per group): the reference every kernel path of the method is checked against.
+the "4/6" choice per group): the reference every kernel path of the method is checked against. `quantize`: the same
+quantizer as one Triton kernel, bit for bit the reference's (one tensor scale for weights, one per row for
+activations).
 """

@@ -3,10 +3,12 @@
 A tensor x (..., K), K a multiple of 16, becomes
     codes   E2M1 values in {0, 0.5, 1, 1.5, 2, 3, 4, 6} with a sign, one per element;
     scales  one E4M3 scale per group of 16 consecutive elements of the last axis;
-    tensor_scale  fp32, amax(|x|) / (256 * 6) (1 for an all-zero x),
+    tensor_scale  fp32, amax(|x|) / (256 * 6) (1 for an all-zero x): one for the tensor (weights), or one per row
+                  (activations: a row's codes never depend on its batch neighbours),
 and x ~ code * scale * tensor_scale. Each group is quantized twice, with its largest magnitude mapped to 6 (scale
 gmax / 6, E2M1's whole range) and to 4 (scale gmax / 4: finer steps for the bulk, the largest values clipped to 6),
-and keeps the choice with the smaller squared error (the first on a tie). 256 * 6 leaves the E4M3 scales <= 384
+and keeps the choice with the smaller squared error (the first on a tie; a group's error summed as a pairwise tree,
+the order the kernels sum in, so their choices agree bit for bit). 256 * 6 leaves the E4M3 scales <= 384
 (E4M3's largest is 448) in both choices. Every rounding is to nearest, ties to even: the scales by torch's E4M3
 cast, the codes by E2M1_ROUND.
 """
@@ -29,7 +31,7 @@ _TIE_UP = (False, True, False, True, False, True, False)
 class NVFP4(NamedTuple):
     codes: torch.Tensor  # uint8 (..., K): sign in bit 3, magnitude index (into E2M1_VALUES) in bits 0..2
     scales: torch.Tensor  # float8_e4m3fn (..., K / 16)
-    tensor_scale: torch.Tensor  # fp32 scalar
+    tensor_scale: torch.Tensor  # fp32: a scalar, or (..., 1) per row
 
 
 def e2m1_round(y: torch.Tensor) -> torch.Tensor:
@@ -56,23 +58,31 @@ def _check(x: torch.Tensor) -> None:
         raise ValueError("NVFP4 input holds NaN or inf: the tensor scale (amax / 1536) would be undefined")
 
 
-def tensor_scale_of(x: torch.Tensor) -> torch.Tensor:
+def tensor_scale_of(x: torch.Tensor, per_row: bool = False) -> torch.Tensor:
     """amax(|x|) / 256 / 6 in fp32, multiplied in Quartet II's order (amax * (1 / 256) * fp32(1 / 6)); 1 for an
-    all-zero x."""
-    amax = x.abs().amax().to(torch.float32)
+    all-zero x. per_row: one per row of the last axis, shape (..., 1)."""
+    amax = (x.abs().amax(dim=-1, keepdim=True) if per_row else x.abs().amax()).to(torch.float32)
     ts = amax * (1.0 / 256.0) * torch.tensor(1.0 / 6.0, dtype=torch.float32)
     return torch.where(amax > 0, ts, torch.ones_like(ts))
 
 
-def quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4:
+def pairwise_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis (a power of two long) as a tree of pairs: ((v0 + v1) + (v2 + v3)) + ..., keepdim."""
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v
+
+
+def quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, per_row: bool = False) -> NVFP4:
     """x (..., K) -> NVFP4 by the 4/6 rule (Quartet II's `four_six_fp4` forward kernel, round_four_six.cu, in its
     order of operations, with exact division where it multiplies by approximate reciprocals); tensor_scale: a given
-    one (e.g. a weight's), else tensor_scale_of(x). The squared errors are compared in units of the tensor scale
-    (|x| / tensor_scale <= 1536), so huge inputs cannot overflow them; divisions keep subnormal inputs finite."""
+    one (e.g. a weight's), else tensor_scale_of(x, per_row). The squared errors are compared in units of the tensor
+    scale (|x| / tensor_scale <= 1536), so huge inputs cannot overflow them; divisions keep subnormal inputs finite."""
     _check(x)
     x = x.to(torch.float32)
-    ts = tensor_scale_of(x) if tensor_scale is None else torch.as_tensor(tensor_scale, dtype=torch.float32,
-                                                                         device=x.device)
+    ts = tensor_scale_of(x, per_row) if tensor_scale is None else torch.as_tensor(
+        tensor_scale, dtype=torch.float32, device=x.device)
+    tensor_ts, ts = ts, ts.unsqueeze(-1) if ts.dim() else ts  # per row: (..., 1, 1) against the groups
     groups = x.reshape(*x.shape[:-1], -1, GROUP)
     gmax = groups.abs().amax(dim=-1, keepdim=True)
     units = groups / ts
@@ -82,7 +92,7 @@ def quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4
         scale = (s_group / ts).to(torch.float8_e4m3fn)
         fp8s = scale.to(torch.float32)
         codes = e2m1_round(groups / (torch.where(fp8s > 0, fp8s, torch.ones_like(fp8s)) * ts))
-        err = ((e2m1_value(codes) * fp8s - units) ** 2).sum(dim=-1, keepdim=True)
+        err = pairwise_sum((e2m1_value(codes) * fp8s - units) ** 2)
         if best_err is None:
             best_codes, best_scale, best_err = codes, scale.view(torch.uint8), err
         else:  # a tie keeps the first choice (6)
@@ -90,12 +100,13 @@ def quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4
             best_codes = torch.where(better, codes, best_codes)
             best_scale = torch.where(better, scale.view(torch.uint8), best_scale)
             best_err = torch.minimum(err, best_err)
-    return NVFP4(best_codes.reshape(x.shape), best_scale.squeeze(-1).view(torch.float8_e4m3fn), ts)
+    return NVFP4(best_codes.reshape(x.shape), best_scale.squeeze(-1).view(torch.float8_e4m3fn), tensor_ts)
 
 
 def dequantize(q: NVFP4) -> torch.Tensor:
     """code * scale * tensor_scale in fp32."""
-    step = q.scales.to(torch.float32).unsqueeze(-1) * q.tensor_scale
+    ts = q.tensor_scale.unsqueeze(-1) if q.tensor_scale.dim() else q.tensor_scale
+    step = q.scales.to(torch.float32).unsqueeze(-1) * ts
     return (e2m1_value(q.codes).reshape(*q.codes.shape[:-1], -1, GROUP) * step).reshape(q.codes.shape)
 
 
