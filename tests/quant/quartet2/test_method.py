@@ -40,7 +40,7 @@ def test_the_path_is_chosen_or_refused_with_the_way_out(monkeypatch):
 
 def test_quantized_checkpoints_are_refused(emulate):
     assert method.Quartet2Config.from_config({}).get_name() == "quartet2"
-    with pytest.raises(ValueError, match="already quantized \\(awq\\)"):
+    with pytest.raises(ValueError, match="quantized otherwise \\(awq\\)"):
         method.Quartet2Config.from_config({"quant_method": "awq"})
 
 
@@ -78,3 +78,58 @@ def test_register_makes_it_a_vllm_method(emulate):
 
     method.register()
     assert "quartet2" in QUANTIZATION_METHODS and get_quantization_config("quartet2") is method.Quartet2Config
+
+
+CLOVERLM_NVFP4 = {"producer": {"name": "cloverlm_converter", "version": "1.0"},
+                  "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                   "exclude_modules": ["emb", "linear"]}}
+
+
+def test_cloverlm_nvfp4_checkpoints_are_claimed_unless_another_method_was_asked(emulate):
+    assert method.Quartet2Config.override_quantization_method(CLOVERLM_NVFP4, None) == "quartet2"
+    assert method.Quartet2Config.override_quantization_method(CLOVERLM_NVFP4, "quartet2") == "quartet2"
+    assert method.Quartet2Config.override_quantization_method(CLOVERLM_NVFP4, "awq") is None
+    assert method.Quartet2Config.override_quantization_method({"quant_method": "awq"}, None) is None
+    config = method.Quartet2Config.from_config(CLOVERLM_NVFP4)
+    assert config.prequantized and config.exclude == ["emb", "linear"]
+
+
+def test_a_fused_layer_reads_the_nvfp4_checkpoint(emulate, one_rank):
+    """Two parts of 128 rows, each quantized with its own tensor scale and stored as the converter stores them, loaded
+    as a merged column-parallel layer loads them: the output is each part's emulation, side by side."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from turboquant_vllm.quant.quartet2 import checkpoint
+
+    config = method.Quartet2Config.from_config(CLOVERLM_NVFP4)
+    assert isinstance(config.get_quant_method(object.__new__(ReplicatedLinear), "transformer.linear"),
+                      UnquantizedLinearMethod)
+    quant = config.get_quant_method(object.__new__(ReplicatedLinear), "transformer.blocks.0.mhsa.lqkv")
+    gen = torch.Generator().manual_seed(1)
+    parts = [torch.randn(128, 128, generator=gen) * scale for scale in (0.02, 0.5)]
+    layer = torch.nn.Module()
+    with torch.device(DEVICE):
+        quant.create_weights(layer, 128, [128, 128], 128, 256, torch.bfloat16, weight_loader=default_weight_loader)
+    stored = []
+    for i, w in enumerate(parts):
+        q = linear.quantize_weight(w.to(DEVICE))
+        stored.append(q)
+        layer.weight.load_merged_column_weight(q.packed.view(torch.float4_e2m1fn_x2).view(torch.uint8),
+                                               shard_offset=128 * i, shard_size=128)
+        layer.weight_scale.load_merged_column_weight(checkpoint.block_scales(q.scales), shard_offset=128 * i,
+                                                     shard_size=128)
+        layer.weight_scale_2.load_merged_column_weight(q.tensor_scale.reshape(1), shard_id=i)
+    quant.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight_scale") and layer.weight_tensor_scale.shape == (256,)
+    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    want = torch.cat([linear.emulated_linear(x, q) for q in stored], dim=-1)
+    torch.testing.assert_close(quant.apply(layer, x), want, rtol=0, atol=0)
+
+
+def test_nvfp4_checkpoints_need_whole_tiles_and_no_input_split(emulate, one_rank):
+    quant = method.Quartet2LinearMethod(method.Quartet2Config.from_config(CLOVERLM_NVFP4))
+    with pytest.raises(ValueError, match="whole 128 x 64 scale tiles"):
+        quant.create_weights(torch.nn.Module(), 128, [96], 128, 96, torch.bfloat16, weight_loader=None)
+    with pytest.raises(ValueError, match="tensor-parallel-size 1"):
+        quant.create_weights(torch.nn.Module(), 64, [128], 128, 128, torch.bfloat16, weight_loader=None)

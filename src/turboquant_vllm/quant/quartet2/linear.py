@@ -20,7 +20,7 @@ from .quantize import quantize
 class NVFP4Weight(NamedTuple):
     packed: torch.Tensor  # uint8 (N, K / 2): E2M1 codes, element 2i in the low nibble
     scales: torch.Tensor  # float8_e4m3fn (N, K / 16)
-    tensor_scale: torch.Tensor  # fp32 scalar
+    tensor_scale: torch.Tensor  # fp32 scalar, or (N,): one per output row (fused parts of their own scales)
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,7 @@
 """The `quartet2` quantization method for vLLM: bf16 / fp16 checkpoints' linear layers quantized to NVFP4 once after
-loading (Quartet II's 4/6 rule, one tensor scale per weight), run by one of the execution paths below, chosen at
-startup and named in one log line with the reason.
+loading (Quartet II's 4/6 rule, one tensor scale per weight), or CloverLM's NVFP4 checkpoints read as they are
+(quant.quartet2.checkpoint; claimed through override_quantization_method), run by one of the execution paths below,
+chosen at startup and named in one log line with the reason.
 
 Paths built: `emulate` (any GPU: activations quantized per row by the same rule, W4A4's numerics exactly, slower than
 bf16). Not built yet: Blackwell's FP4 tensor cores (W4A4) and Hopper's Marlin FP4 (W4A16); until they are, `auto`
@@ -14,12 +15,12 @@ import os
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import nvfp4
+from . import checkpoint, nvfp4
 from .linear import NVFP4Weight, emulated_linear, quantize_weight
 
 logger = logging.getLogger("vllm.turboquant_vllm.quartet2")
@@ -43,12 +44,16 @@ def choose_path() -> tuple[str, str]:
 
 
 class Quartet2Config(QuantizationConfig):
-    """Quantizes on the fly: no config file is read (vLLM then builds the config with no arguments)."""
+    """On the fly (no config file is read: vLLM then builds the config with no arguments), or a CloverLM NVFP4
+    checkpoint (from its hf_quant_config.json: `exclude` names the modules it left in 16 bits)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prequantized: bool = False, exclude: list[str] | None = None) -> None:
         super().__init__()
+        self.prequantized = prequantized
+        self.exclude = list(exclude or [])
         self.path, why = choose_path()
-        logger.info("quartet2: NVFP4 path %s (%s)", self.path, why)
+        logger.info("quartet2: NVFP4 path %s (%s), weights %s", self.path, why,
+                    "from the NVFP4 checkpoint" if prequantized else "quantized after loading")
 
     def get_name(self) -> str:
         return NAME
@@ -66,17 +71,31 @@ class Quartet2Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Quartet2Config:
+        if checkpoint.is_cloverlm_nvfp4(config):
+            return cls(prequantized=True, exclude=config["quantization"].get("exclude_modules"))
         if config:
-            raise ValueError(f"quartet2 quantizes bf16 / fp16 checkpoints on the fly; this checkpoint is already "
-                             f"quantized ({config.get('quant_method', config)}): serve it without -q quartet2")
+            raise ValueError(f"quartet2 quantizes bf16 / fp16 checkpoints on the fly and reads CloverLM's NVFP4 ones; "
+                             f"this checkpoint is quantized otherwise ({config.get('quant_method') or config}): serve "
+                             f"it without -q quartet2")
         return cls()
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Quartet2LinearMethod | None:
-        return Quartet2LinearMethod(self) if isinstance(layer, LinearBase) else None
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
+                                     hf_config: Any = None) -> str | None:
+        """Claims CloverLM's NVFP4 checkpoints (no other method reads them), unless the user asked for another."""
+        return NAME if checkpoint.is_cloverlm_nvfp4(hf_quant_cfg) and user_quant in (None, NAME) else None
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        if self.prequantized and any(part in self.exclude for part in prefix.split(".")):
+            return UnquantizedLinearMethod()
+        return Quartet2LinearMethod(self)
 
 
 class Quartet2LinearMethod(LinearMethodBase):
-    """bf16 weights loaded as vLLM loads them (sharded, fused), then NVFP4: 0.28x their bytes."""
+    """bf16 weights loaded as vLLM loads them (sharded, fused), then NVFP4: 0.28x their bytes. From a CloverLM NVFP4
+    checkpoint: codes, blocked scales and one tensor scale per fused part, loaded as they are and unblocked once."""
 
     def __init__(self, config: Quartet2Config) -> None:
         self.config = config
@@ -88,15 +107,52 @@ class Quartet2LinearMethod(LinearMethodBase):
                              f"{input_size_per_partition} per tensor-parallel rank. Use a tensor-parallel size "
                              f"that keeps it a multiple of {nvfp4.GROUP}, or serve without -q quartet2")
         weight_loader = extra_weight_attrs.pop("weight_loader")
+        if self.config.prequantized:
+            self._create_nvfp4_weights(layer, input_size_per_partition, input_size, output_partition_sizes,
+                                       weight_loader, extra_weight_attrs)
+            return
         weight = ModelWeightParameter(
             data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
             input_dim=1, output_dim=0, weight_loader=weight_loader)
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
 
+    def _create_nvfp4_weights(self, layer: torch.nn.Module, input_size_per_partition: int, input_size: int,
+                              output_partition_sizes: list[int], weight_loader, extra_weight_attrs: dict) -> None:
+        # The blocked scales shard by whole 128-row tiles along the outputs, never along the inputs.
+        if input_size_per_partition != input_size:
+            raise ValueError("quartet2: CloverLM NVFP4 checkpoints' blocked scales cannot be split along the input "
+                             "features (a row-parallel layer under tensor parallelism): serve with "
+                             "--tensor-parallel-size 1, or quantize the bf16 checkpoint on the fly (-q quartet2)")
+        if any(n % checkpoint.TILE_ROWS for n in output_partition_sizes) or input_size % 64:
+            raise ValueError(f"quartet2: CloverLM NVFP4 checkpoints hold whole 128 x 64 scale tiles; this layer's "
+                             f"parts {output_partition_sizes} x {input_size} are not (quantize the bf16 checkpoint "
+                             f"on the fly, -q quartet2)")
+        rows = sum(output_partition_sizes)
+        params = {
+            "weight": ModelWeightParameter(data=torch.empty(rows, input_size // 2, dtype=torch.uint8), input_dim=1,
+                                           output_dim=0, weight_loader=weight_loader),
+            "weight_scale": ModelWeightParameter(
+                data=torch.empty(rows, input_size // nvfp4.GROUP, dtype=torch.float8_e4m3fn), input_dim=1,
+                output_dim=0, weight_loader=weight_loader),
+            "weight_scale_2": PerTensorScaleParameter(
+                data=torch.empty(len(output_partition_sizes), dtype=torch.float32), weight_loader=weight_loader),
+        }
+        for name, param in params.items():
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, extra_weight_attrs)
+        layer.quartet2_parts = list(output_partition_sizes)
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        w = quantize_weight(layer.weight.data)
-        del layer.weight  # the bf16 copy goes: only the NVFP4 weight stays
+        if self.config.prequantized:
+            # one tensor scale per fused part, spread over its output rows (the epilogue's per-column scale)
+            parts = torch.tensor(layer.quartet2_parts, device=layer.weight_scale_2.device)
+            row_scale = layer.weight_scale_2.data.repeat_interleave(parts)
+            w = NVFP4Weight(layer.weight.data, checkpoint.unblock_scales(layer.weight_scale.data), row_scale)
+            del layer.weight, layer.weight_scale, layer.weight_scale_2
+        else:
+            w = quantize_weight(layer.weight.data)
+            del layer.weight  # the bf16 copy goes: only the NVFP4 weight stays
         layer.register_buffer("weight_packed", w.packed, persistent=False)
         layer.register_buffer("weight_scales", w.scales, persistent=False)
         layer.register_buffer("weight_tensor_scale", w.tensor_scale, persistent=False)
