@@ -6,11 +6,10 @@ from tests.ops.cases import random_calibration
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.ops import dequantize_pages, paged_attention, store_kv, warm_up, warmup
-from turboquant_vllm.ops.attention import decode_num_splits
 from turboquant_vllm.ops.attention.decode import _decode_kernel
 from turboquant_vllm.ops.attention.general import _attention_kernel
 from turboquant_vllm.ops.dequant.dequant import _dequant_kernel
-from turboquant_vllm.ops.rotation.rotation import LARGE_ROWS
+from turboquant_vllm.ops.rotation.rotation import LARGE_ROWS, _merge_and_unrotate_kernel
 from turboquant_vllm.ops.store.store import STORE_LARGE_BATCH, _store_kv_kernel
 
 
@@ -18,12 +17,14 @@ from turboquant_vllm.ops.store.store import STORE_LARGE_BATCH, _store_kv_kernel
 def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
     """The launches serving meets outside CUDA graphs: both store tiles, the context expansion (with the dense
     path), the general attention kernel; each runs for real (interpreted on the CPU)."""
-    calls = []
+    calls, decode_seqs = [], []
 
     def record(name, fn):
         def wrapped(*args, **kwargs):
             calls.append((name, kwargs.get("block_t"), kwargs.get("max_query_len"),
                           "query" if kwargs.get("query") is not None else None))
+            if name == "paged_attention" and kwargs.get("max_query_len") == 1:
+                decode_seqs.append(args[0].shape[0])
             return fn(*args, **kwargs)
         monkeypatch.setattr(warmup, name, wrapped)
 
@@ -33,13 +34,16 @@ def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
     layout = CacheLayout(get_preset("tq4"), 64, 2, 16)
     gen = torch.Generator().manual_seed(0)
     warm_up(layout, torch.bfloat16, 32, torch.device(DEVICE), sliding_window=24, softcap=30.0,
-            key_calibration=random_calibration(gen, 2, 64, DEVICE), dense_prefill=dense_prefill, decode_splits=[4, 1, 4])
+            key_calibration=random_calibration(gen, 2, 64, DEVICE), dense_prefill=dense_prefill,
+            decode_batches=[1, 2, 3, 4, 130, 131, 2] if dense_prefill else [2, 1])  # (the wide tiles interpret slowly)
     assert ("store_kv", 16, None, None) in calls and ("store_kv", 64, None, None) in calls
     assert ("store_kv", None, None, "query") in calls  # a decode step's store + query rotation (small tiles)
     assert (("dequantize_pages", None, None, None) in calls) == dense_prefill
     query_rows = [c[2] * 32 for c in calls if c[0] == "paged_attention" and c[2] > 1]  # prefills: query = context
     assert min(query_rows) <= LARGE_ROWS < max(query_rows)  # both tilings of the query rotation
-    assert [c for c in calls if c[0] == "paged_attention" and c[2] == 1] == [("paged_attention", None, 1, None)] * 2
+    # decodes: one launch per distinct binary: 1 sequence (64 splits, merge programs of 4 rows), 2 (32 splits, 64
+    # rows: 4 a program), 3 (96 rows: the tile's 16), 130 (4,160 rows: the wide merge tiles, 4 splits)
+    assert decode_seqs == ([1, 2, 3, 130] if dense_prefill else [1, 2])
 
 
 def compiled(kernel) -> int:
@@ -90,8 +94,8 @@ def test_serving_shapes_compile_nothing_after_warm_up(presets, head_dim, dtype):
     layouts = [CacheLayout(get_preset(p), head_dim, kv_heads, block) for p in presets]
     device = torch.device("cuda")
     for layout in layouts:
-        warm_up(layout, dtype, q_heads, device, decode_splits={decode_num_splits(b, layout) for b in range(1, 65)})
-    kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel)
+        warm_up(layout, dtype, q_heads, device, decode_batches=range(1, 65))
+    kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel, _merge_and_unrotate_kernel)
     before = [compiled(k) for k in kernels]
     for layout in layouts:
         serving_launches(layout, dtype, q_heads, device)

@@ -432,7 +432,6 @@ def test_weight_loading_warms_up_every_preset_in_use(model, monkeypatch):
     monkeypatch.setattr(settings, "_logged", set())
     monkeypatch.setattr(impl, "warm_up", lambda layout, dtype, q_heads, device, **kw: warmed.append(layout.preset.name))
     monkeypatch.setattr(impl, "kernel_constants", lambda layout, device: tables.append(layout.preset.name))
-    monkeypatch.setattr(impl, "num_sms", lambda device=None: 132)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

@@ -22,19 +22,21 @@ import triton
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
 from .attention import paged_attention
+from .attention.launch import decode_merge_rows, decode_num_splits, num_sms
 from .dequant import dequantize_pages
-from .rotation.rotation import LARGE_ROWS
+from .rotation.rotation import LARGE_ROWS, launch_shape
 from .store.store import STORE_LARGE_BATCH, store_block_tokens, store_kv
 
 
 def warm_up(
     layout: CacheLayout, dtype: torch.dtype, num_q_heads: int, device: torch.device, *,
     sliding_window: int | None = None, softcap: float | None = None, key_calibration: KeyCalibration | None = None,
-    dense_prefill: bool = True, decode_splits: Iterable[int] = (),
+    dense_prefill: bool = True, decode_batches: Iterable[int] = (),
 ) -> None:
     """Run every prefill-side launch once for this layer shape, with vLLM's metadata dtypes (int32 indices,
-    int64 slots), and a decode launch per split count in decode_splits. dense_prefill: whether long prefills
-    expand the context (FlashAttention present)."""
+    int64 slots), and one decode launch per distinct binary that decode batches of decode_batches sequences take
+    (their split count and their merge's tiling). dense_prefill: whether long prefills expand the context
+    (FlashAttention present)."""
     d, block = layout.head_dim, layout.block_size
     # One sequence; the general kernel runs it as a short prefill and as one of over LARGE_ROWS query rows.
     lengths = (block, triton.cdiv(LARGE_ROWS + 1, num_q_heads))
@@ -64,8 +66,15 @@ def warm_up(
     query = torch.randn(1, num_q_heads, d, dtype=dtype, device=device)  # one decode over the whole context
     # A step of decodes stores their keys and rotates their queries in one launch (eager serving runs it uncaptured).
     store_kv(key[:1], value[:1], cache, slots[-1:], layout, key_calibration, query=query, query_scale=d**-0.5)
-    starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    for splits in sorted(set(decode_splits)):
-        paged_attention(query, cache, layout, block_table, starts, seq_lens, max_query_len=1, scale=d**-0.5,
-                        out=torch.empty_like(query), sliding_window=sliding_window, softcap=softcap,
-                        key_calibration=key_calibration, num_splits=splits)
+    sms = num_sms(device)
+    binaries = {}  # (split count, merge rows, merge tile) -> the fewest sequences that launch it
+    for seqs in sorted(set(decode_batches)):
+        rows = seqs * num_q_heads
+        binaries.setdefault((decode_num_splits(seqs, layout, sms), decode_merge_rows(rows), launch_shape(rows, d)),
+                            seqs)
+    for seqs in binaries.values():  # every sequence reads the one scratch context
+        query = torch.randn(seqs, num_q_heads, d, dtype=dtype, device=device)
+        paged_attention(query, cache, layout, block_table.repeat(seqs, 1),
+                        torch.arange(seqs + 1, dtype=torch.int32, device=device), seq_lens.repeat(seqs),
+                        max_query_len=1, scale=d**-0.5, out=torch.empty_like(query), sliding_window=sliding_window,
+                        softcap=softcap, key_calibration=key_calibration)

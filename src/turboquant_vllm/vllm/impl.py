@@ -25,7 +25,6 @@ from ..core.calibration import KeyCalibration, KeyStatistics
 from ..core.layout import CacheLayout, cache_layout, layout_of_cache
 from ..core.presets import Preset
 from ..ops import dequantize_pages, paged_attention, store_kv, warm_up
-from ..ops.attention import decode_num_splits, num_sms
 from ..ops.constants import kernel_constants
 from ..ops.utils import check_cache
 from . import compat
@@ -169,13 +168,11 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
                           self.key_calibration is not None):
             return
         start = time.perf_counter()
-        # Every split count a decode batch can take: graph capture compiles those of the captured sizes only.
+        # Every decode batch size: graph capture compiles those of the captured sizes only.
         max_seqs = getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", None) or 1
-        sms = num_sms(device)
-        splits = {decode_num_splits(b, layout, sms) for b in range(1, max_seqs + 1)}
         warm_up(layout, dtype, self.num_heads, device, sliding_window=self.sliding_window, softcap=self.softcap,
                 key_calibration=self.key_calibration, dense_prefill=compat.flash_attn_varlen() is not None,
-                decode_splits=splits)
+                decode_batches=range(1, max_seqs + 1))
         torch.cuda.synchronize(device)
         logger.info("TurboQuant kernels ready in %.1f s (compiled now rather than inside the first requests)",
                     time.perf_counter() - start)
