@@ -35,11 +35,8 @@ def quantize_weight(weight: torch.Tensor) -> NVFP4Weight:
 
 def unscaled_values(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """code x group scale (the tensor scale left out) of packed (R, K / 2) codes: exact in bf16 and fp32."""
-    table = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = nvfp4.unpack(packed).long()
-    values = torch.where(codes >= 8, -table[codes & 7], table[codes & 7])
     step = scales.to(torch.float32).repeat_interleave(nvfp4.GROUP, dim=-1)
-    return (values * step).to(dtype)
+    return (nvfp4.e2m1_value(nvfp4.unpack(packed)) * step).to(dtype)
 
 
 def emulated_linear(x: torch.Tensor, weight: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -49,6 +49,16 @@ def _pairwise_sum16(v, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
     return tl.sum(v, axis=2)
 
 
+@triton.jit
+def _candidate(x, units, gmax, ts, INV_TARGET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The groups quantized with their max mapped to 1 / INV_TARGET: (codes, E4M3 scales, squared errors in units of
+    the tensor scale)."""
+    scale = _e4m3_round(tl.math.div_rn(gmax * INV_TARGET, ts[:, None]))
+    code, value = _e2m1(tl.math.div_rn(x, (tl.where(scale > 0, scale, 1.0) * ts[:, None])[:, :, None]))
+    d = value * scale[:, :, None] - units
+    return code, scale, _pairwise_sum16(d * d, BLOCK_M, BLOCK_G)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_quantize_kernel(
     x_ptr, ts_ptr, packed_ptr, scales_ptr, M, K: tl.constexpr, stride_xm, PER_ROW: tl.constexpr,
@@ -79,14 +89,8 @@ def _nvfp4_quantize_kernel(
         gmax = tl.max(tl.abs(x), axis=2)
         units = tl.math.div_rn(x, ts3)
         # the max of each group mapped to 6 (E2M1's whole range), then to 4 (finer steps, the top clipped to 6)
-        scale6 = _e4m3_round(tl.math.div_rn(gmax * (1.0 / 6.0), ts[:, None]))
-        code6, value6 = _e2m1(tl.math.div_rn(x, (tl.where(scale6 > 0, scale6, 1.0) * ts[:, None])[:, :, None]))
-        d6 = value6 * scale6[:, :, None] - units
-        err6 = _pairwise_sum16(d6 * d6, BLOCK_M, BLOCK_G)
-        scale4 = _e4m3_round(tl.math.div_rn(gmax * 0.25, ts[:, None]))
-        code4, value4 = _e2m1(tl.math.div_rn(x, (tl.where(scale4 > 0, scale4, 1.0) * ts[:, None])[:, :, None]))
-        d4 = value4 * scale4[:, :, None] - units
-        err4 = _pairwise_sum16(d4 * d4, BLOCK_M, BLOCK_G)
+        code6, scale6, err6 = _candidate(x, units, gmax, ts, 1.0 / 6.0, BLOCK_M, BLOCK_G)
+        code4, scale4, err4 = _candidate(x, units, gmax, ts, 0.25, BLOCK_M, BLOCK_G)
         four = err4 < err6  # a tie keeps 6
         code = tl.where(four[:, :, None], code4, code6)
         scale = tl.where(four, scale4, scale6)
