@@ -31,5 +31,7 @@ BENCHMARKS = {
                        "policy, with the error vs the reference (GPU)",
     "awq_gemm": "AWQ int4 GEMM: TurboMind's kernels vs vLLM's AWQ kernels and the dense matmul, per layer shape and "
                 "token count (GPU)",
+    "awq": "AWQ int4 serving in vLLM end to end: output tok/s and batch-1 decode latency per AWQ kernel (Machete, "
+           "Marlin, Triton, TurboMind) on a Llama-3-8B-shaped checkpoint (GPU)",
     "kernel_sass": "compile a kernel for sm_90 offline (no GPU): registers, spills, the main loop's instruction mix",
 }

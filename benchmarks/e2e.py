@@ -313,15 +313,18 @@ def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenan
                 tensor_parallel_size=rows[0].get("tensor_parallel_size", 1))
     common.write_json(common.with_ext(stem, ".json"), dict(meta=meta, rows=rows), provenance)
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
-    lines = ["| kv | KV tokens | vs bf16 | decode tok/s 64x8k | decode tok/s 32x32k | decode-only steps 64x8k | "
-             "decode-only steps 32x32k | prefill tok/s | requests/s at the memory limit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    tags = [common.shape_tag(*(int(x) for x in r.split("x"))) for r in runs.split(",")]  # the runs measured
+    prefill_tag = "64x8k" if "64x8k" in tags else tags[-1]
+    lines = ["| kv | KV tokens | vs bf16 | " + " | ".join(f"decode tok/s {t}" for t in tags) + " | "
+             + " | ".join(f"decode-only steps {t}" for t in tags)
+             + f" | prefill tok/s {prefill_tag} | requests/s at the memory limit |",
+             "| --- " * (5 + 2 * len(tags)) + "|"]
     for r in rows:
         lines.append(f"| {r['kv']} | {r['kv_tokens']:,} | {fmt(r.get('kv_tokens_vs_bf16'), '.2f')}x | "
-                     f"{fmt(r['decode_tok_s_64x8k'], ',.0f')} | {fmt(r['decode_tok_s_32x32k'], ',.0f')} | "
-                     f"{fmt(r.get('decode_only_tok_s_64x8k'), ',.0f')} | "
-                     f"{fmt(r.get('decode_only_tok_s_32x32k'), ',.0f')} | "
-                     f"{fmt(r['prefill_tok_s'], ',.0f')} | {fmt(r.get('at_limit_req_s'), '.2f')} |")
+                     + "".join(f"{fmt(r.get(f'decode_tok_s_{t}'), ',.0f')} | " for t in tags)
+                     + "".join(f"{fmt(r.get(f'decode_only_tok_s_{t}'), ',.0f')} | " for t in tags)
+                     + f"{fmt(r.get(f'prefill_tok_s_{prefill_tag}'), ',.0f')} | "
+                     f"{fmt(r.get('at_limit_req_s'), '.2f')} |")
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
     shape = (f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} q / "
              f"{model['num_key_value_heads']} KV heads, head_dim {head_dim}"
@@ -344,11 +347,11 @@ def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenan
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 1 + len(tags), figsize=(4.3 * (1 + len(tags)), 4))
     names = [r["kv"] for r in rows]
-    for ax, key, title in zip(axes, ["kv_tokens", "decode_tok_s_64x8k", "decode_tok_s_32x32k"],
-                              ["KV tokens that fit", "decode tok/s, 64 x 8k", "decode tok/s, 32 x 32k"]):
-        ax.bar(names, [r[key] or 0 for r in rows])
+    for ax, key, title in zip(axes, ["kv_tokens", *(f"decode_tok_s_{t}" for t in tags)],
+                              ["KV tokens that fit", *(f"decode tok/s, {t.replace('x', ' x ')}" for t in tags)]):
+        ax.bar(names, [r.get(key) or 0 for r in rows])
         ax.set_title(title)
         plt.setp(ax.get_xticklabels(), rotation=40, ha="right")
     fig.suptitle(shape)

@@ -46,3 +46,11 @@ def test_a_wrong_setting_still_fails_at_startup(monkeypatch):
     monkeypatch.setattr(plugins, "PLUGINS", {"kv": "fake_refusing:register"})
     with pytest.raises(ValueError, match="bogus"):
         plugins.register()
+
+
+def test_the_quantization_methods_register_with_vllm():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    plugins.register()
+    for name in ("awq_turbomind", "quartet2"):
+        assert name in QUANTIZATION_METHODS and get_quantization_config(name).__name__.endswith("Config")

@@ -16,6 +16,8 @@ logger = logging.getLogger("vllm.turboquant_vllm")
 # plugin -> "module:function" registering it
 PLUGINS = {
     "turboquant-kv-cache": "turboquant_vllm.vllm:register",  # --attention-backend CUSTOM
+    "awq-turbomind": "turboquant_vllm.quant.awq_turbomind:register",  # -q awq_turbomind
+    "quartet2": "turboquant_vllm.quant.quartet2.method:register",  # -q quartet2
 }
 
 

@@ -37,7 +37,8 @@ def test_write_tables_ratios_and_plot(tmp_path):
     assert data["meta"]["versions"]["torch"] and "commit" in data["meta"] and "gpu" in data["meta"]
     md = (tmp_path / "h200-llama16l-32q8kv.md").read_text()
     assert md.startswith("<sub>`python -m benchmarks e2e --heads 32/8` at commit ")
-    assert "32 q / 8 KV heads" in md and "| tq4 | 3,760 | 3.76x | 120 |  | 130 |  | 40 | 2.50 |" in md
+    assert "32 q / 8 KV heads" in md and "| tq4 | 3,760 | 3.76x | 120 | 130 | 40 | 2.50 |" in md  # the runs measured
+    assert "| decode tok/s 64x8k | decode-only steps 64x8k | prefill tok/s 64x8k |" in md and "32x32k" not in md
     assert "- bf16: `run A`" in md and "- tq4: `run B`" in md  # merged rows name the call that measured them
     assert "Memory-limit load: 1024 tokens generated per request." in md
     assert (tmp_path / "h200-llama16l-32q8kv.png").stat().st_size > 0

@@ -1,5 +1,6 @@
 """The vLLM method `quartet2` (quant.quartet2.method) on the CPU: its path choice and refusals, a linear layer
-created, loaded, quantized and applied as vLLM does it, equal to the emulation over the same weight."""
+created, loaded, quantized and applied as vLLM does it, equal to the emulation over the same weight (the marlin
+path: test_marlin.py and test_gpu_marlin.py)."""
 
 import pytest
 import torch
@@ -13,29 +14,41 @@ def emulate(monkeypatch):
     monkeypatch.setenv(method.PATH_ENV, "emulate")
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """vLLM's weight parameters ask for the tensor-parallel rank: a group of one process, as TP 1 has."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-    if not model_parallel_is_initialized():
-        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=DEVICE))):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tmp_path_factory.mktemp('pg')}/init")
-            initialize_model_parallel(1)
-
-
-def test_the_path_is_chosen_or_refused_with_the_way_out(monkeypatch):
+def test_the_path_is_chosen_or_refused_with_the_way_out(monkeypatch, caplog):
     monkeypatch.delenv(method.PATH_ENV, raising=False)
-    with pytest.raises(ValueError, match=f"{method.PATH_ENV}=emulate"):
-        method.Quartet2Config()
+    for capability, why in ((80, "no FP4 tensor cores"), (90, "no FP4 tensor cores"), (100, "W4A4 path is not built")):
+        monkeypatch.setattr(method, "gpu", lambda c=capability: (c, True))
+        path, reason = method.choose_path()
+        assert path == "marlin" and f"sm{capability}" in reason and why in reason
+    with caplog.at_level("INFO", logger=method.logger.name):
+        assert method.Quartet2Config().path == "marlin"
+    assert "NVFP4 path marlin (auto on sm100" in caplog.text
+    monkeypatch.setenv(method.PATH_ENV, "marlin")
+    assert method.choose_path()[0] == "marlin"
+    # no Marlin FP4 here (no CUDA GPU, or vLLM without its kernels): auto and marlin refuse, naming the emulation
+    monkeypatch.setattr(method, "gpu", lambda: (None, False))
+    for requested in ("auto", "marlin"):
+        monkeypatch.setenv(method.PATH_ENV, requested)
+        with pytest.raises(ValueError, match=f"no CUDA GPU.*{method.PATH_ENV}=emulate"):
+            method.Quartet2Config()
     monkeypatch.setenv(method.PATH_ENV, "fast")
-    with pytest.raises(ValueError, match="choose one of auto, emulate"):
+    with pytest.raises(ValueError, match="choose one of auto, marlin, emulate"):
         method.choose_path()
     monkeypatch.setenv(method.PATH_ENV, "emulate")
     assert method.Quartet2Config().path == "emulate"
+
+
+def test_without_a_cuda_gpu_auto_refuses(monkeypatch):
+    """The real device probe (vLLM's platform and is_fp4_marlin_supported)."""
+    monkeypatch.delenv(method.PATH_ENV, raising=False)
+    capability, marlin_ok = method.gpu()
+    if torch.cuda.is_available():
+        assert capability == torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1]
+        assert marlin_ok == (capability >= 75)
+    else:
+        assert (capability, marlin_ok) == (None, False)
+        with pytest.raises(ValueError, match=f"{method.PATH_ENV}=emulate"):
+            method.Quartet2Config()
 
 
 def test_quantized_checkpoints_are_refused(emulate):

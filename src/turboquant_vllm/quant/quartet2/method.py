@@ -1,11 +1,16 @@
 """The `quartet2` quantization method for vLLM: bf16 / fp16 checkpoints' linear layers quantized to NVFP4 once after
 loading (Quartet II's 4/6 rule, one tensor scale per weight), or CloverLM's NVFP4 checkpoints read as they are
 (quant.quartet2.checkpoint; claimed through override_quantization_method), run by one of the execution paths below,
-chosen at startup and named in one log line with the reason.
+chosen at startup ($TURBOQUANT_QUARTET2_PATH: auto, marlin or emulate) and named in one log line with the reason.
 
-Paths built: `emulate` (any GPU: activations quantized per row by the same rule, W4A4's numerics exactly, slower than
-bf16). Not built yet: Blackwell's FP4 tensor cores (W4A4) and Hopper's Marlin FP4 (W4A16); until they are, `auto`
-refuses at startup and names the way to the emulation.
+Paths built:
+  `marlin`   (Hopper / Ampere, and Blackwell until its W4A4 path is built; what `auto` picks on CUDA GPUs where
+             vLLM's Marlin FP4 runs): the NVFP4 weights, kept exact, through vLLM's Marlin FP4 kernel, activations in
+             bf16 / fp16 (W4A16, quant.quartet2.marlin). Decode reads 0.28x the weight bytes of bf16.
+  `emulate`  (any GPU, opt-in): activations quantized per row by the same rule, W4A4's numerics exactly, slower than
+             bf16.
+Not built yet: Blackwell's FP4 tensor cores (W4A4). Where no path can run, `auto` refuses at startup and names the
+way out.
 """
 
 from __future__ import annotations
@@ -20,27 +25,48 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import checkpoint, nvfp4
+from . import checkpoint, marlin, nvfp4
 from .linear import NVFP4Weight, emulated_linear, quantize_weight
 
 logger = logging.getLogger("vllm.turboquant_vllm.quartet2")
 
 NAME = "quartet2"
 PATH_ENV = "TURBOQUANT_QUARTET2_PATH"
-PATHS = ("auto", "emulate")
+PATHS = ("auto", "marlin", "emulate")
+
+
+def gpu() -> tuple[int | None, bool]:
+    """(the CUDA device's compute capability as major * 10 + minor, None without one; whether vLLM's Marlin FP4
+    kernel runs on it)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import is_fp4_marlin_supported
+    from vllm.platforms import current_platform
+
+    capability = current_platform.get_device_capability() if current_platform.is_cuda() else None
+    return (capability.to_int() if capability is not None else None), bool(is_fp4_marlin_supported())
 
 
 def choose_path() -> tuple[str, str]:
-    """(path, why) from $TURBOQUANT_QUARTET2_PATH; ValueError naming the way out where no path can run."""
+    """(path, why) from $TURBOQUANT_QUARTET2_PATH and the GPU; ValueError naming the way out where no path can
+    run."""
     requested = os.environ.get(PATH_ENV, "auto")
     if requested not in PATHS:
         raise ValueError(f"{PATH_ENV}={requested!r}: choose one of {', '.join(PATHS)}")
     if requested == "emulate":
         return "emulate", f"{PATH_ENV}=emulate: W4A4 numerics exactly, activations quantized per row"
-    raise ValueError(
-        "quartet2 runs NVFP4 only as exact emulation in this version (W4A4 numerics, slower than bf16): the FP4 "
-        f"tensor-core (Blackwell) and Marlin FP4 (Hopper) paths are not built yet. Set {PATH_ENV}=emulate to run it, "
-        "or serve the bf16 checkpoint without -q quartet2.")
+    capability, marlin_ok = gpu()
+    sm = f"sm{capability}" if capability is not None else "no CUDA GPU"
+    if not marlin_ok:
+        raise ValueError(
+            f"quartet2: vLLM's Marlin FP4 kernel (NVFP4 weights, bf16 activations) does not run here ({sm}; it needs "
+            f"an NVIDIA GPU of sm75 or newer and vLLM's CUDA kernels), and the FP4 tensor-core path (W4A4, "
+            f"Blackwell) is not built yet. Set {PATH_ENV}=emulate for the exact emulation (any GPU, slower than "
+            f"bf16), or serve the bf16 checkpoint without -q quartet2.")
+    if requested == "marlin":
+        return "marlin", f"{PATH_ENV}=marlin on {sm}: NVFP4 weights through vLLM's Marlin FP4, activations unquantized"
+    if capability is not None and capability >= 100:
+        return "marlin", (f"auto on {sm}: FP4 tensor cores present but the W4A4 path is not built yet; NVFP4 weights "
+                          f"through vLLM's Marlin FP4 (W4A16)")
+    return "marlin", f"auto on {sm}: no FP4 tensor cores; NVFP4 weights through vLLM's Marlin FP4 (W4A16)"
 
 
 class Quartet2Config(QuantizationConfig):
@@ -93,9 +119,17 @@ class Quartet2Config(QuantizationConfig):
         return Quartet2LinearMethod(self)
 
 
+def _keep(layer: torch.nn.Module, **tensors: torch.Tensor | None) -> None:
+    """The prepared weight as frozen parameters, as vLLM's own quantized layers keep theirs (vLLM's AOT-compiled
+    forward found module buffers registered after loading missing: KeyError at the first step); None stays None."""
+    for name, t in tensors.items():
+        setattr(layer, name, None if t is None else torch.nn.Parameter(t, requires_grad=False))
+
+
 class Quartet2LinearMethod(LinearMethodBase):
     """bf16 weights loaded as vLLM loads them (sharded, fused), then NVFP4: 0.28x their bytes. From a CloverLM NVFP4
-    checkpoint: codes, blocked scales and one tensor scale per fused part, loaded as they are and unblocked once."""
+    checkpoint: codes, blocked scales and one tensor scale per fused part, loaded as they are and unblocked once.
+    Then kept as they are (emulate) or repacked once for Marlin (marlin)."""
 
     def __init__(self, config: Quartet2Config) -> None:
         self.config = config
@@ -107,6 +141,7 @@ class Quartet2LinearMethod(LinearMethodBase):
                              f"{input_size_per_partition} per tensor-parallel rank. Use a tensor-parallel size "
                              f"that keeps it a multiple of {nvfp4.GROUP}, or serve without -q quartet2")
         weight_loader = extra_weight_attrs.pop("weight_loader")
+        layer.quartet2_dtype = params_dtype  # the activations' dtype: Marlin's scales are prepared for it
         if self.config.prequantized:
             self._create_nvfp4_weights(layer, input_size_per_partition, input_size, output_partition_sizes,
                                        weight_loader, extra_weight_attrs)
@@ -153,11 +188,31 @@ class Quartet2LinearMethod(LinearMethodBase):
         else:
             w = quantize_weight(layer.weight.data)
             del layer.weight  # the bf16 copy goes: only the NVFP4 weight stays
-        layer.register_buffer("weight_packed", w.packed, persistent=False)
-        layer.register_buffer("weight_scales", w.scales, persistent=False)
-        layer.register_buffer("weight_tensor_scale", w.tensor_scale, persistent=False)
+        if self.config.path == "marlin":
+            self._prepare_marlin(layer, w)
+            return
+        _keep(layer, weight_packed=w.packed, weight_scales=w.scales, weight_tensor_scale=w.tensor_scale)
+
+    @staticmethod
+    def _prepare_marlin(layer: torch.nn.Module, w: NVFP4Weight) -> None:
+        dtype = getattr(layer, "quartet2_dtype", torch.bfloat16)
+        flushed = int(marlin.marlin_flushed_groups(w.scales, dtype).sum())
+        if flushed:
+            logger.warning("quartet2: %d of %d NVFP4 groups of 16 weights have block scales below Marlin's range "
+                           "(E4M3 subnormals) and run as zeros (by the 4/6 rule, groups whose largest weight is "
+                           "below 6.2e-5 of the tensor's)", flushed, w.scales.numel())
+        m = marlin.prepare(w, dtype)
+        _keep(layer, marlin_weight=m.weight, marlin_weight_scale=m.weight_scale,
+              marlin_global_scale=m.weight_global_scale, marlin_channel_scale=m.channel_scale)
+        layer.marlin_workspace = m.workspace  # scratch, as vLLM's own Marlin layers keep it
+        layer.quartet2_marlin_shape = (m.size_n, m.size_k)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.config.path == "marlin":
+            m = marlin.MarlinNVFP4(layer.marlin_weight, layer.marlin_weight_scale, layer.marlin_global_scale,
+                                   layer.marlin_workspace, layer.marlin_channel_scale, *layer.quartet2_marlin_shape,
+                                   layer.quartet2_dtype)
+            return marlin.marlin_linear(x, m, bias)
         weight = NVFP4Weight(layer.weight_packed, layer.weight_scales, layer.weight_tensor_scale)
         return emulated_linear(x, weight, bias)
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from . import nvfp4
 
-_RNE_MAGIC = 8388608.0  # 2^23: (v + 2^23) - 2^23 rounds 0 <= v < 2^22 to an integer, ties to even
+_RNE_MAGIC = tl.constexpr(8388608.0)  # 2^23: (v + 2^23) - 2^23 rounds 0 <= v < 2^22 to an integer, ties to even
 
 
 @triton.jit

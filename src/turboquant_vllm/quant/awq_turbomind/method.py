@@ -1,0 +1,384 @@
+"""The `awq_turbomind` quantization method for vLLM: AutoAWQ GEMM checkpoints (int4, group 128, zero points) with
+every quantized linear layer run by TurboMind's int4 GEMM kernels (the `turbomind` 0.0.2 wheel) instead of vLLM's own
+AWQ kernels.
+
+Weights load as vLLM's AWQ method loads them (its parameter classes, so fused QKV / gate-up and tensor-parallel
+sharding go through vLLM's loaders), are repacked once into TurboMind's layout after loading, and the AWQ tensors are
+freed. The kernel runs behind one torch custom op with a fake implementation, so torch.compile and full CUDA graphs
+see an ordinary op. TurboMind's kernels take fp16 activations only: bf16 models are cast at the layer's boundary.
+
+Installing the package changes nothing for `vllm serve <AWQ model>`: the method claims an AWQ checkpoint only when
+asked for (`-q awq_turbomind`) or opted into ($TURBOQUANT_AWQ_TURBOMIND=1); what it cannot run is refused at startup
+with the way out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch.library import Library
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase, UnquantizedLinearMethod,
+                                               register_weight_loader_v2_supported_method)
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from .awq_format import BITS, PACK
+
+logger = logging.getLogger("vllm.turboquant_vllm.awq_turbomind")
+
+NAME = "awq_turbomind"
+OPT_IN_ENV = "TURBOQUANT_AWQ_TURBOMIND"
+INSTALL = 'pip install "turboquant-vllm[turbomind]"'
+GROUP_SIZES = (128,)  # turbomind 0.0.2: Linear() refuses others, and its kernels are all "u4g128"
+MIN_CAPABILITY = 70  # its oldest kernels are sm70 (Volta) tensor-core ones
+WAY_OUT = (f"Serve it with vLLM's own AWQ kernels instead: without -q {NAME}, and with {OPT_IN_ENV} unset")
+
+
+def opted_in() -> bool:
+    return os.environ.get(OPT_IN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_awq(cfg: dict[str, Any] | None) -> bool:
+    return bool(cfg) and str(cfg.get("quant_method", "")).lower() == "awq"
+
+
+def refusal(bits: Any, group_size: Any, zero_point: Any, version: str, lm_head: bool = False) -> str | None:
+    """Why TurboMind cannot run a checkpoint of this AWQ configuration (with the way out), or None."""
+    if version != "gemm":
+        return f"{NAME} reads AutoAWQ's GEMM format (version \"gemm\"); this checkpoint is version {version!r}. " \
+               f"{WAY_OUT}."
+    if bits != BITS:
+        return f"{NAME} runs 4-bit AWQ only (TurboMind's kernels are int4); this checkpoint has bits={bits}. {WAY_OUT}."
+    if group_size not in GROUP_SIZES:
+        return f"{NAME}: TurboMind 0.0.2 has int4 kernels for group size {', '.join(map(str, GROUP_SIZES))} only; " \
+               f"this checkpoint has group_size={group_size}. {WAY_OUT}."
+    if not zero_point:
+        return f"{NAME} reads AWQ's zero points (zero_point: true); this checkpoint is symmetric (zero_point: " \
+               f"{zero_point}). {WAY_OUT}."
+    if lm_head:
+        return f"{NAME} runs the decoder's linear layers; this checkpoint also quantizes lm_head. {WAY_OUT}."
+    return None
+
+
+def preload_cuda12_runtime() -> None:
+    """turbomind's extension links libcudart.so.12 with no search path of its own: a torch built for CUDA 12 has
+    loaded it already; otherwise load the copy of the nvidia-cuda-runtime-cu12 wheel (the extra installs it)."""
+    try:
+        ctypes.CDLL("libcudart.so.12", mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        return  # already in the process
+    except OSError:
+        pass
+    spec = importlib.util.find_spec("nvidia.cuda_runtime") if importlib.util.find_spec("nvidia") else None
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        lib = os.path.join(base, "lib", "libcudart.so.12")
+        if os.path.exists(lib):
+            try:
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                pass  # the import below then fails, and load_turbomind says what to install
+            return
+
+
+def load_turbomind():
+    """The turbomind module with its CUDA extension loaded; ImportError naming the install line otherwise."""
+    if "turbomind" not in sys.modules:
+        preload_cuda12_runtime()
+    try:
+        turbomind = importlib.import_module("turbomind")
+    except Exception as exc:  # ImportError, or OSError from a shared library it links (libcudart.so.12)
+        raise ImportError(f"{NAME} needs TurboMind's kernels (the turbomind 0.0.2 wheel), which do not import here: "
+                          f"{type(exc).__name__}: {exc}. Install them with {INSTALL}, or serve the checkpoint with "
+                          f"vLLM's own AWQ kernels (without -q {NAME}).") from exc
+    # turbomind 0.0.2 catches its extension's ImportError, logs it and fails only at the first Linear(): ask first
+    linear = sys.modules.get("turbomind.linear")
+    if linear is not None and not getattr(linear, "TURBOMIND_EXTENSION_INSTALLED", True):
+        raise ImportError(f"{NAME}: turbomind is installed but its CUDA extension (_turbomind_ext) did not load (its "
+                          f"error is logged above; it needs the CUDA 12 runtime, libcudart.so.12). Reinstall with "
+                          f"{INSTALL}, or serve the checkpoint with vLLM's own AWQ kernels (without -q {NAME}).")
+    return turbomind
+
+
+def turbomind_version() -> str:
+    try:
+        return importlib.metadata.version("turbomind")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not an installed distribution)"
+
+
+def check_platform() -> None:
+    """TurboMind's kernels are CUDA, sm70 and newer: a clear refusal elsewhere (before vLLM's generic one)."""
+    if current_platform.is_rocm():
+        raise ValueError(f"{NAME}: TurboMind's int4 kernels are CUDA kernels for NVIDIA GPUs; this is ROCm. "
+                         f"{WAY_OUT}.")
+    capability = current_platform.get_device_capability()  # NVML: no CUDA context in this process
+    if capability is not None and capability.to_int() < MIN_CAPABILITY:
+        raise ValueError(f"{NAME}: TurboMind's int4 kernels need compute capability 7.0 (Volta) or newer; this GPU "
+                         f"is {capability.major}.{capability.minor}. Use a newer GPU, or serve the checkpoint "
+                         f"without -q {NAME}.")
+
+
+class AWQTurboMindConfig(QuantizationConfig):
+    """An AutoAWQ GEMM checkpoint's quantization_config (config.json) or quant_config.json, checked against what
+    TurboMind runs, on a platform it runs on, with turbomind importable: every refusal at startup."""
+
+    def __init__(self, weight_bits: int = BITS, group_size: int = 128, zero_point: bool = True,
+                 modules_to_not_convert: list[str] | None = None, version: str = "gemm",
+                 lm_head_quantized: bool = False) -> None:
+        super().__init__()
+        problem = refusal(weight_bits, group_size, zero_point, version, lm_head_quantized)
+        if problem:
+            raise ValueError(problem)
+        self.weight_bits = weight_bits
+        self.group_size = group_size
+        self.zero_point = zero_point
+        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        check_platform()
+        load_turbomind()
+        logger.info("%s: AWQ int4, group %d, on the GEMM kernels of turbomind %s (fp16; bf16 activations cast at "
+                    "each layer)", NAME, group_size, turbomind_version())
+
+    def __repr__(self) -> str:
+        return (f"AWQTurboMindConfig(weight_bits={self.weight_bits}, group_size={self.group_size}, "
+                f"zero_point={self.zero_point}, modules_to_not_convert={self.modules_to_not_convert})")
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return MIN_CAPABILITY
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return ["quant_config.json", "quantize_config.json"]  # AutoAWQ's own files, as vLLM's AWQ reads them
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AWQTurboMindConfig:
+        method = config.get("quant_method")
+        if method is not None and str(method).lower() != "awq":
+            raise ValueError(f"{NAME} reads AutoAWQ checkpoints; this one is quantized with {method}: serve it "
+                             f"without -q {NAME}.")
+        return cls(weight_bits=cls.get_from_keys(config, ["w_bit", "bits"]),
+                   group_size=cls.get_from_keys(config, ["q_group_size", "group_size"]),
+                   zero_point=cls.get_from_keys(config, ["zero_point"]),
+                   modules_to_not_convert=cls.get_from_keys_or(config, ["modules_to_not_convert"], None),
+                   version=str(cls.get_from_keys_or(config, ["version"], "gemm")).lower(),
+                   lm_head_quantized=bool(cls.get_from_keys_or(config, ["lm_head"], False)))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
+                                     hf_config: Any = None) -> str | None:
+        """An AWQ GEMM checkpoint, claimed only when the user asked for it (-q awq_turbomind: claimed whatever its
+        bits / group size, so from_config refuses with the reason) or opted in ($TURBOQUANT_AWQ_TURBOMIND=1 with no
+        -q: claimed only where TurboMind runs it). Otherwise None: vLLM's own AWQ method takes it, as without us."""
+        explicit = user_quant == NAME
+        if not (explicit or (user_quant is None and opted_in())) or not is_awq(hf_quant_cfg):
+            return None
+        version = str(hf_quant_cfg.get("version", "gemm")).lower()
+        problem = refusal(hf_quant_cfg.get("bits", hf_quant_cfg.get("w_bit")),
+                          hf_quant_cfg.get("group_size", hf_quant_cfg.get("q_group_size")),
+                          hf_quant_cfg.get("zero_point", True), version, bool(hf_quant_cfg.get("lm_head", False)))
+        if version != "gemm":
+            # not claimed: the AWQ format is not ours to read (vLLM then names the method mismatch)
+            logger.warning("%s: not claiming this checkpoint: %s", NAME, problem)
+            return None
+        if problem and not explicit:
+            logger.warning("%s=1, but %s does not run this checkpoint (%s); vLLM's own AWQ kernels serve it",
+                           OPT_IN_ENV, NAME, problem)
+            return None
+        return NAME
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> LinearMethodBase | None:
+        if isinstance(layer, LinearBase):
+            if is_layer_skipped(prefix, self.modules_to_not_convert, self.packed_modules_mapping,
+                                skip_with_substr=True):
+                return UnquantizedLinearMethod()
+            check_no_cuda_graphs()
+            return AWQTurboMindLinearMethod(self)
+        if isinstance(layer, RoutedExperts):
+            raise ValueError(f"{NAME} runs dense linear layers; {prefix} is a mixture-of-experts layer, which "
+                             f"TurboMind 0.0.2's GEMM does not run. {WAY_OUT}.")
+        return None
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.modules_to_not_convert:
+            self.modules_to_not_convert = hf_to_vllm_mapper.apply_list(self.modules_to_not_convert)
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        """As vLLM's AWQ: without modules_to_not_convert, the modules the checkpoint stores in 16 / 32 bits are."""
+        if self.modules_to_not_convert:
+            return
+        from safetensors.torch import _TYPES
+        from vllm.transformers_utils import config as hf_utils
+
+        metadata = hf_utils.get_safetensors_params_metadata(model_name, revision=revision)
+        layers = {name.rsplit(".", 1)[0] for name in metadata}
+        quantized = {name.rsplit(".", 1)[0] for name, info in metadata.items()
+                     if (dtype := info.get("dtype")) and _TYPES[dtype] not in (torch.float16, torch.bfloat16,
+                                                                               torch.float32)}
+        self.modules_to_not_convert = sorted(layers - quantized)
+
+
+@register_weight_loader_v2_supported_method  # its parameters are vLLM's: the fused / sharded loaders fill them
+class AWQTurboMindLinearMethod(LinearMethodBase):
+    """AWQ tensors created and loaded as vLLM's AWQ method does; then one TurboMind Linear per layer."""
+
+    def __init__(self, config: AWQTurboMindConfig) -> None:
+        self.config = config
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        group = self.config.group_size
+        if input_size_per_partition % group:
+            raise ValueError(f"{NAME}: AWQ groups {group} input features; this layer has {input_size_per_partition} "
+                             f"per tensor-parallel rank ({input_size} in all). Use a tensor-parallel size that keeps "
+                             f"it a multiple of {group}, or serve without -q {NAME}.")
+        if any(n % PACK for n in output_partition_sizes):
+            raise ValueError(f"{NAME}: AWQ packs {PACK} output features a word; this layer's outputs per "
+                             f"tensor-parallel rank are {output_partition_sizes}. Use a tensor-parallel size that "
+                             f"keeps each a multiple of {PACK}, or serve without -q {NAME}.")
+        weight_loader = extra_weight_attrs.get("weight_loader")
+        n_words = sum(output_partition_sizes) // PACK
+        groups = input_size_per_partition // group
+        packed = dict(input_dim=0, output_dim=1, packed_dim=1, packed_factor=PACK, weight_loader=weight_loader)
+        layer.register_parameter("qweight", PackedvLLMParameter(
+            data=torch.empty(input_size_per_partition, n_words, dtype=torch.int32), **packed))
+        layer.register_parameter("qzeros", PackedvLLMParameter(
+            data=torch.empty(groups, n_words, dtype=torch.int32), **packed))
+        # fp16 whatever the model's dtype: the checkpoint's fp16 scales stay exact, and TurboMind reads fp16
+        layer.register_parameter("scales", GroupQuantScaleParameter(
+            data=torch.empty(groups, sum(output_partition_sizes), dtype=torch.float16), input_dim=0, output_dim=1,
+            weight_loader=weight_loader))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        turbomind = load_turbomind()
+        qweight = layer.qweight.data
+        k, n = qweight.shape[0], qweight.shape[1] * PACK
+        linear = turbomind.Linear(k, n, bias=False, quant_method="awq", w_bit=self.config.weight_bits,
+                                  group_size=self.config.group_size, device=qweight.device)
+        linear.qweight.copy_(qweight)
+        linear.qzeros.copy_(layer.qzeros.data)
+        linear.scales.copy_(layer.scales.data)
+        linear.post_init()  # AWQ nibble order -> TurboMind's; the C++ side converts and fuses scales / zeros
+        del layer.qweight, layer.qzeros, layer.scales  # the checkpoint's tensors go: TurboMind's copy is the weight
+        # linear.qweight (and the scales / zeros it keeps) stay alive with `linear`: the C++ object reads them
+        layer.register_buffer("tm_qweight", linear.qweight, persistent=False)
+        key = linear.qweight.data_ptr()
+        _LINEARS[key] = linear
+        weakref.finalize(layer, _LINEARS.pop, key, None)
+        grow_workspace(linear, k, token_counts())
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n = layer.tm_qweight.shape[1] * PACK
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float16:
+            x2 = x2.to(torch.float16)  # TurboMind's kernels are fp16 only (bf16 values beyond 65504 become inf)
+        out = torch.ops.turboquant_vllm.awq_turbomind_gemm(x2.contiguous(), layer.tm_qweight)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        if bias is not None:
+            out.add_(bias)
+        return out.reshape(*x.shape[:-1], n)
+
+
+# Each layer's TurboMind state (its C++ object: the converted weight, the fused scales / zeros, kernel dispatch) cannot
+# pass through an op's schema. The op takes the layer's TurboMind-layout qweight, which that object reads, and finds
+# the object by the tensor's address: the schema stays tensors only, and no per-process number is baked into the
+# graph, which vLLM 0.25 caches and loads in later processes (VLLM_USE_AOT_COMPILE, on with torch 2.11): an integer
+# handle counted at loading would there pick another layer if the count differed. A copied weight fails loudly.
+_LINEARS: dict[int, Any] = {}
+
+
+def run_kernel(linear: Any, x: torch.Tensor) -> torch.Tensor:
+    """The one call into TurboMind: x (M, K) fp16, contiguous -> (M, N) fp16 on the current CUDA stream."""
+    return linear.forward(x)
+
+
+NO_GRAPHS = '--compilation-config \'{"cudagraph_mode": "NONE"}\''
+
+
+def check_no_cuda_graphs(config: Any = None) -> None:
+    """TurboMind 0.0.2's GEMM faults (illegal memory access) when vLLM replays it inside CUDA graphs, though it runs
+    right eagerly and compiled without graphs (measured on an H100, vLLM 0.25): refuse graphs at startup."""
+    from vllm.config import CUDAGraphMode
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    config = config or get_current_vllm_config_or_none()
+    if config is not None and config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+        raise ValueError(f"{NAME} runs without CUDA graphs (TurboMind 0.0.2's GEMM faults when replayed in one): "
+                         f"start vLLM with {NO_GRAPHS} (torch.compile stays on) or --enforce-eager. {WAY_OUT}.")
+
+
+def token_counts() -> list[int]:
+    """Every token count a CUDA graph is captured at, and powers of two up to the largest batch (outside an engine:
+    vLLM's defaults)."""
+    from vllm.config.vllm import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return sorted({1, 2, 4, *range(8, 513, 8), *(1 << i for i in range(10, 14))})
+    largest = config.scheduler_config.max_num_batched_tokens
+    counts = set(config.compilation_config.cudagraph_capture_sizes or [])
+    counts.update(1 << i for i in range(largest.bit_length()))
+    return sorted(counts | {largest})
+
+
+def grow_workspace(linear: Any, k: int, counts: list[int]) -> None:
+    """TurboMind keeps one workspace for all its layers and reallocates it when a call needs more: a CUDA graph
+    captured before that would replay into freed memory. One call at every token count a step can have, before any
+    capture, grows it to its final size."""
+    for m in counts:
+        run_kernel(linear, torch.zeros(m, k, dtype=torch.float16, device=linear.qweight.device))
+
+
+def _awq_turbomind_gemm(x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    linear = _LINEARS.get(qweight.data_ptr())
+    if linear is None:
+        raise RuntimeError(f"{NAME}: no TurboMind layer holds this weight (tm_qweight was copied or moved after "
+                           f"loading; TurboMind's C++ object reads it in place)")
+    if x.shape[0] == 0:
+        return x.new_empty((0, qweight.shape[1] * PACK), dtype=torch.float16)
+    return run_kernel(linear, x)
+
+
+def _awq_turbomind_gemm_fake(x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qweight.shape[1] * PACK), dtype=torch.float16)
+
+
+_LIB = Library("turboquant_vllm", "FRAGMENT")  # lives as long as the op
+
+
+def _register_op() -> None:
+    """torch.ops.turboquant_vllm.awq_turbomind_gemm(x fp16 (M, K), qweight int32 (K, N/8)) -> fp16 (M, N), once per
+    process (vLLM's direct registration: less dispatch overhead per call than torch.library.custom_op)."""
+    if hasattr(torch.ops.turboquant_vllm, "awq_turbomind_gemm"):
+        return
+    direct_register_custom_op("awq_turbomind_gemm", _awq_turbomind_gemm, mutates_args=[],
+                              fake_impl=_awq_turbomind_gemm_fake, target_lib=_LIB,
+                              dispatch_key="CompositeExplicitAutograd")  # any device: tests run it on CPU fakes
+
+
+_register_op()
+
+
+def register() -> None:
+    """`-q awq_turbomind` for vLLM: cheap and CUDA-free (turbomind is imported when vLLM builds the config)."""
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    register_quantization_config(NAME)(AWQTurboMindConfig)

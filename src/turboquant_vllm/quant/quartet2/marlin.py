@@ -1,0 +1,128 @@
+"""quartet2's Hopper / Ampere fast path: NVFP4 weights through vLLM's own Marlin FP4 kernel (W4A16: activations stay
+in bf16 / fp16; vllm.model_executor.layers.quantization.utils.marlin_utils_fp4).
+
+What vLLM's NVFP4 methods hand to its Marlin helpers (ModelOpt's and compressed-tensors' W4A16 / the Marlin NVFP4
+linear kernel, vLLM 0.25), all of it what an NVFP4Weight already holds:
+    weight               uint8 (N, K / 2): E2M1 codes, element 2i in the low nibble, sign in bit 3 (ours as they are)
+    weight_scale         float8_e4m3fn (N, K / 16), row-major (not the blocked / swizzled layout of the FP4 GEMMs)
+    weight_global_scale  fp32 scalar, the multiplier (ModelOpt's weight_scale_2 = amax / 2688, not its reciprocal):
+                         w = code * weight_scale * weight_global_scale, as our tensor scale is
+prepare_fp4_layer_for_marlin repacks the codes (gptq_marlin_repack, CUDA), permutes the scales and turns them into
+the kernel's S0E5M3 bytes, folding powers of two into the global scale; any N and any K a multiple of 16 are padded
+to Marlin's tiles (weights once, activations and outputs on each call). The kernel multiplies code x scale in the
+activations' dtype (exact: at most 7 significant bits), sums the products in fp32, multiplies the sums by the global
+scale in fp32 and rounds once to the activations' dtype.
+
+Two things Marlin cannot hold as they are:
+  * One global scale per layer, where a fused layer read from a CloverLM checkpoint (qkv, gate / up) has one per
+    part. vLLM's ModelOpt method takes the parts' largest and leaves the other parts' block scales as they are (it
+    warns: those parts come out scaled wrongly). Rescaling the E4M3 block scales by the ratio instead re-rounds them
+    (lossy unless the ratio is a power of two). We keep every code and block scale and run Marlin with one global
+    scale g, a power of two >= the largest part's, then multiply each output column by its part's ratio (its tensor
+    scale / g: exact, a division by a power of two) in fp32: the weights stay exact, the output is rounded twice
+    (Marlin's, then the product's) instead of once. Layers quantized on the fly have one tensor scale: no ratio.
+  * Marlin's S0E5M3 scale bytes hold E4M3's normal range only: a block scale below 2^-6 (an E4M3 subnormal, after
+    the power-of-two lift vLLM applies when the layer's scales are small) is flushed to zero, and its group of 16
+    weights with it. Such a group's weights are all below 6 * 2^-6 tensor-scale units (by the 4/6 rule, below 6.2e-5 of
+    the tensor's largest magnitude): marlin_flushed_groups counts them, and the method logs the count.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import nvfp4
+from .linear import NVFP4Weight
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+class VllmNVFP4(NamedTuple):
+    """An NVFP4 weight as vLLM's NVFP4 methods hold it before prepare_fp4_layer_for_marlin (pre-Marlin layout)."""
+
+    weight: torch.Tensor  # uint8 (N, K / 2), element 2i in the low nibble
+    weight_scale: torch.Tensor  # float8_e4m3fn (N, K / 16), row-major
+    weight_global_scale: torch.Tensor  # fp32 scalar, the multiplier
+    channel_scale: torch.Tensor | None  # fp32 (N,): each output column's tensor scale / the global one; None: all 1
+
+
+def to_vllm_nvfp4(w: NVFP4Weight) -> VllmNVFP4:
+    """Our NVFP4 weight -> vLLM's pre-Marlin NVFP4 tensors: codes and block scales as they are; one tensor scale
+    becomes the global scale; one per output row (fused parts with their own) becomes a power-of-two global scale
+    and an exact per-column ratio (see the module's docstring)."""
+    packed, scales, ts = w.packed, w.scales, w.tensor_scale.to(torch.float32)
+    if packed.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or packed.dim() != 2:
+        raise ValueError(f"NVFP4 weights are uint8 codes and float8_e4m3fn scales, got {packed.dtype}, {scales.dtype}")
+    n, half = packed.shape
+    if tuple(scales.shape) != (n, 2 * half // nvfp4.GROUP) or ts.numel() not in (1, n):
+        raise ValueError(f"NVFP4 scales {tuple(scales.shape)} and tensor scale {tuple(ts.shape)} do not fit codes "
+                         f"{tuple(packed.shape)}")
+    if not (torch.isfinite(ts).all() and (ts > 0).all()):
+        raise ValueError("NVFP4 tensor scales must be finite and positive")
+    if ts.numel() == 1 or bool((ts == ts.reshape(-1)[0]).all()):
+        return VllmNVFP4(packed.contiguous(), scales.contiguous(), ts.reshape(-1)[0].clone(), None)
+    _, exponent = torch.frexp(ts.max())  # max = m 2^e, 0.5 <= m < 1: g = 2^e > max, exactly
+    global_scale = torch.ldexp(torch.ones_like(ts.max()), exponent)
+    return VllmNVFP4(packed.contiguous(), scales.contiguous(), global_scale, (ts / global_scale).contiguous())
+
+
+def marlin_flushed_groups(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool (N, K / 16): the groups whose nonzero E4M3 scale Marlin's S0E5M3 bytes flush to zero for activations of
+    `dtype`, by vLLM's rule (nvfp4_marlin_process_scales with the scale factor _nvfp4_compute_scale_factor picks:
+    for bf16 the power of two lifting the largest scale closest to 448, none for fp16; then scale * factor * 2^7
+    < 2 is dropped)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import _nvfp4_compute_scale_factor
+
+    s = scales.to(torch.float32)
+    factor = _nvfp4_compute_scale_factor(scales.to(dtype), dtype)
+    return (s > 0) & (s * factor * 2**7 < 2)
+
+
+class MarlinNVFP4(NamedTuple):
+    """An NVFP4 weight in Marlin's layout, ready for marlin_linear."""
+
+    weight: torch.Tensor  # int32, repacked (padded) codes
+    weight_scale: torch.Tensor  # float8_e4m3fn: the permuted S0E5M3 scale bytes
+    weight_global_scale: torch.Tensor  # fp32 scalar, with Marlin's exponent offsets folded in
+    workspace: torch.Tensor
+    channel_scale: torch.Tensor | None  # fp32 (N,), or None
+    size_n: int
+    size_k: int
+    dtype: torch.dtype  # the activations' dtype the scales were prepared for
+
+
+def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
+    """NVFP4Weight -> Marlin's layout for activations of `dtype` (bf16 or fp16), through vLLM's own
+    prepare_fp4_layer_for_marlin (on a stand-in module: the layer's own bias is left alone)."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
+
+    if dtype not in DTYPES:
+        raise ValueError(f"Marlin FP4 takes bf16 or fp16 activations, not {dtype}")
+    v = to_vllm_nvfp4(w)
+    stub = torch.nn.Module()
+    stub.output_size_per_partition, stub.input_size_per_partition = v.weight.shape[0], 2 * v.weight.shape[1]
+    stub.params_dtype = dtype
+    for name in ("weight", "weight_scale", "weight_global_scale"):
+        setattr(stub, name, torch.nn.Parameter(getattr(v, name), requires_grad=False))
+    stub.bias = None
+    marlin_utils_fp4.prepare_fp4_layer_for_marlin(stub)
+    return MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, stub.workspace,
+                       v.channel_scale, stub.output_size_per_partition, stub.input_size_per_partition, dtype)
+
+
+def marlin_linear(x: torch.Tensor, m: MarlinNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias), W the exact NVFP4 weight, x (..., K) in m.dtype unquantized: W4A16; y in x's dtype. The
+    bias is added outside the kernel (Marlin would want it permuted, and after the per-column ratio)."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
+
+    if x.dtype != m.dtype:
+        raise ValueError(f"this Marlin NVFP4 weight was prepared for {m.dtype} activations, got {x.dtype}")
+    y = marlin_utils_fp4.apply_fp4_marlin_linear(input=x, weight=m.weight, weight_scale=m.weight_scale,
+                                                 weight_global_scale=m.weight_global_scale, workspace=m.workspace,
+                                                 size_n=m.size_n, size_k=m.size_k)
+    if m.channel_scale is not None:
+        y32 = y.to(torch.float32) * m.channel_scale
+        return (y32 if bias is None else y32 + bias.to(torch.float32)).to(x.dtype)
+    return y if bias is None else y + bias

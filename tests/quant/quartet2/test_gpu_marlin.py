@@ -1,0 +1,188 @@
+"""GPU: quartet2's marlin path (NVFP4 weights through vLLM's Marlin FP4 kernel, W4A16) against the W4A16 reference:
+activations unquantized, the weight the exact NVFP4 values (code x E4M3 scale x tensor scale), summed in float64.
+
+Expected error: Marlin multiplies code x scale in the activations' dtype (exact: at most 7 significant bits), each
+product with an activation is exact in fp32, the sums are fp32 (fp32 reduce across its k-splits), the tensor scale
+multiplies them in fp32 and the result is rounded once to bf16 / fp16. So |y - ref| <= u |ref| (u = 2^-8 for bf16,
+2^-11 for fp16) plus the fp32 sums' error, bounded here by 2^-16 sum_k |x_k w_k| (far above its typical size,
+~2^-24 sqrt(K), and far below u |ref| for outputs not cancelled to near zero). A fused layer with per-part tensor
+scales rounds a second time (the per-column ratio after the kernel): 2u. A bias added after the kernel: one more, of
+the sum.
+
+    pytest -m gpu tests/quant/quartet2/test_gpu_marlin.py -s     # -s shows the decode timings
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from turboquant_vllm.quant.quartet2 import linear, marlin, method
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (1000, 1040)]  # (N, K); the last: padded to Marlin's tiles
+MS = [1, 7, 64, 300]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def random_weight(n, k, seed, scale=0.02):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(n, k, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+
+@functools.cache
+def quantized(n, k):
+    return linear.quantize_weight(random_weight(n, k, n * 7 + k))
+
+
+@functools.cache
+def prepared(n, k, dtype):
+    return marlin.prepare(quantized(n, k), dtype)
+
+
+def fused_weight(parts=((4096, 0.02), (1024, 0.05), (1024, 0.3)), k=4096):
+    """qkv-like: parts quantized with their own tensor scales (a CloverLM checkpoint's fused layer), one per row."""
+    qs = [linear.quantize_weight(random_weight(n, k, 100 + i, s)) for i, (n, s) in enumerate(parts)]
+    return linear.NVFP4Weight(torch.cat([q.packed for q in qs]), torch.cat([q.scales for q in qs]),
+                              torch.cat([q.tensor_scale.expand(q.packed.shape[0]) for q in qs]))
+
+
+def assert_w4a16(y, x, w, roundings=1, bias=None):
+    """y within `roundings` roundings of x W^T (relative to it) and, with a bias, one more of x W^T + bias."""
+    u = torch.finfo(y.dtype).eps / 2
+    values = linear.unscaled_values(w.packed, w.scales).double()
+    ts = w.tensor_scale.double()
+    product = (x.double() @ values.t()) * ts
+    magnitude = (x.double().abs() @ values.abs().t()) * ts
+    bound = roundings * u * product.abs() + 2**-16 * magnitude + torch.finfo(y.dtype).smallest_normal * u
+    ref = product
+    if bias is not None:
+        ref = product + bias.double()
+        bound = bound + u * ref.abs()
+    err = (y.double() - ref).abs()
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert (err <= bound).all(), f"error / bound up to {(err / bound).max().item():.3g}"
+    # and the typical error is that of the roundings (one rounding's relative RMS is at most u / sqrt(3))
+    typical = 0.75 * u * (roundings * product.norm() + (ref.norm() if bias is not None else 0))
+    assert err.norm() < typical, f"RMS error {err.norm() / typical:.3g} of the expected"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_marlin_is_w4a16(shape, dtype):
+    n, k = shape
+    w, m = quantized(n, k), prepared(n, k, dtype)
+    assert m.channel_scale is None and (m.size_n, m.size_k) == (n, k)
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    for rows in MS:
+        x = torch.randn(rows, k, generator=gen, device="cuda").to(dtype)
+        assert_w4a16(marlin.marlin_linear(x, m), x, w)
+    x = torch.randn(2, 3, k, generator=gen, device="cuda").to(dtype)  # leading dimensions, and a bias
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype)
+    y = marlin.marlin_linear(x, m, bias)
+    assert y.shape == (2, 3, n)
+    assert_w4a16(y.reshape(6, n), x.reshape(6, k), w, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_fused_parts_with_their_own_tensor_scales(dtype):
+    w = fused_weight()
+    m = marlin.prepare(w, dtype)
+    assert m.channel_scale is not None and m.channel_scale.shape == (6144,)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for rows in MS:
+        x = torch.randn(rows, 4096, generator=gen, device="cuda").to(dtype)
+        assert_w4a16(marlin.marlin_linear(x, m), x, w, roundings=2)
+    bias = torch.randn(6144, generator=gen, device="cuda").to(dtype)
+    assert_w4a16(marlin.marlin_linear(x, m, bias), x, w, bias=bias)  # Marlin's rounding, then the sum's
+
+
+def test_groups_below_marlins_scale_range_run_as_zeros():
+    """Every group but one far below the weight's largest value (E4M3-subnormal block scales), the one multiplied
+    by zero activations: the whole output is what the flushed groups give, zero, as marlin_flushed_groups says."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    weight = (torch.randn(256, 512, generator=gen, device="cuda") * 5e-6).to(torch.bfloat16)
+    weight[0, 0] = 1.0
+    w = linear.quantize_weight(weight)
+    flushed = marlin.marlin_flushed_groups(w.scales, torch.bfloat16)
+    expected = w.scales.float() > 0
+    expected[0, 0] = False
+    assert torch.equal(flushed, expected) and flushed.float().mean() > 0.9
+    x = torch.randn(5, 512, generator=gen, device="cuda").to(torch.bfloat16)
+    x[:, :16] = 0
+    assert linear.unscaled_values(w.packed, w.scales)[:, 16:].abs().sum() > 0  # the exact weight is not zero there
+    assert (marlin.marlin_linear(x, marlin.prepare(w, torch.bfloat16)) == 0).all()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["one-scale", "per-part"])
+def test_cuda_graph_replays_the_eager_output(fused):
+    w = fused_weight() if fused else quantized(4096, 4096)
+    m = marlin.prepare(w, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(7, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(m.size_n, generator=gen, device="cuda").to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            marlin.marlin_linear(x, m, bias)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = marlin.marlin_linear(x, m, bias)
+    for seed in (6, 7):
+        x.copy_(torch.randn(7, 4096, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, marlin.marlin_linear(x, m, bias))
+
+
+def test_the_method_serves_a_layer_through_marlin(monkeypatch, one_rank):
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    monkeypatch.delenv(method.PATH_ENV, raising=False)
+    config = method.Quartet2Config()
+    assert config.path == "marlin"
+    quant = config.get_quant_method(object.__new__(ReplicatedLinear), "model.layers.0.mlp.down_proj")
+    weight = random_weight(1024, 2048, 9)
+    layer = torch.nn.Module()
+    with torch.device("cuda"):
+        quant.create_weights(layer, 2048, [1024], 2048, 1024, torch.bfloat16, weight_loader=default_weight_loader)
+    layer.weight.weight_loader(layer.weight, weight)
+    quant.process_weights_after_loading(layer)
+    x = torch.randn(3, 2048, device="cuda").to(torch.bfloat16)
+    assert_w4a16(quant.apply(layer, x), x, linear.quantize_weight(weight))
+
+
+def _time(fn, iters=200):
+    graph = torch.cuda.CUDAGraph()
+    fn()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_decode_timing(shape):
+    """Not an assertion: one-token (and 8-token) GEMMs of bf16 weights vs Marlin NVFP4, CUDA graphs, in us."""
+    n, k = shape
+    dense = random_weight(n, k, 1)
+    m = prepared(n, k, torch.bfloat16)
+    for rows in (1, 8):
+        x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        t_bf16 = _time(lambda: torch.nn.functional.linear(x, dense))
+        t_marlin = _time(lambda: marlin.marlin_linear(x, m))
+        print(f"\n{torch.cuda.get_device_name()} {n}x{k} M={rows}: bf16 {t_bf16:.1f} us, marlin nvfp4 "
+              f"{t_marlin:.1f} us ({t_bf16 / t_marlin:.2f}x)")
