@@ -114,7 +114,9 @@ def quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, per_row:
         raise ValueError(f"NVFP4 quantizes (M, K) with K a multiple of {nvfp4.GROUP}, got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(1) != 1:
         raise ValueError(f"x must be bf16, fp16 or fp32 and contiguous along K, got {x.dtype}, strides {x.stride()}")
-    if not torch.isfinite(x).all():
+    # checked where it can be: a compiled or graph-captured forward cannot branch on data (nor sync to)
+    checkable = not torch.compiler.is_compiling() and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if checkable and not torch.isfinite(x).all():
         raise ValueError("NVFP4 input holds NaN or inf: the tensor scale (amax / 1536) would be undefined")
     m, k = x.shape
     if tensor_scale is not None:
