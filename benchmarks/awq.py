@@ -326,8 +326,8 @@ def fmt(x, spec: str) -> str:
 def markdown(rows: list[dict], model: dict, settings: dict) -> str:
     best_tput, best_lat = add_ratios(rows)
     lines = ["| method | --linear-backend | kernel | output tok/s | vs best vLLM | batch-1 decode ms/token "
-             "| decode speed vs best vLLM | KV cache tokens | weights GiB |",
-             "| --- " * 9 + "|"]
+             "| decode speed vs best vLLM | CUDA graphs | KV cache tokens | weights GiB |",
+             "| --- " * 10 + "|"]
     for r in rows:
         kernel = r.get("kernel") or ""
         if r.get("error"):
@@ -336,7 +336,8 @@ def markdown(rows: list[dict], model: dict, settings: dict) -> str:
         lines.append(f"| {r['method']} | {r.get('linear_backend') or 'auto'} | {kernel} | "
                      f"{fmt(r.get('output_tok_s'), ',.0f')} | {vs('output_tok_s_vs_best_vllm')} | "
                      f"{fmt(r.get('decode_latency_ms'), '.2f')} | {vs('decode_speed_vs_best_vllm')} | "
-                     f"{fmt(r.get('kv_cache_tokens'), ',')} | {fmt(r.get('weights_gib'), '.2f')} |")
+                     f"{(r.get('cudagraph_mode') or '').lower()} | {fmt(r.get('kv_cache_tokens'), ',')} | "
+                     f"{fmt(r.get('weights_gib'), '.2f')} |")
     shape = (f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, intermediate "
              f"{model['intermediate_size']}, {model['num_attention_heads']} q / {model['num_key_value_heads']} KV "
              f"heads, head_dim {model['head_dim']}, vocab {model['vocab_size']}")
@@ -352,9 +353,9 @@ def markdown(rows: list[dict], model: dict, settings: dict) -> str:
     return (f"AWQ int4 (group {GROUP}, random codes, fp16) in vLLM end to end, Llama-3-8B shape: {shape}.\n\n"
             + "\n".join(lines)
             + f"\n\nOutput tok/s: {settings['prompts']} requests of {settings['input_len']} prompt tokens generating "
-            f"{settings['output_len']} each, one llm.generate (vLLM's default scheduling and CUDA graphs, no prefix "
-            f"caching, gpu_memory_utilization {settings['gpu_memory_utilization']}). Batch-1 decode ms/token: (one "
-            f"request generating {settings['output_len']} tokens - the same generating 1) / "
+            f"{settings['output_len']} each, one llm.generate (vLLM's default scheduling, CUDA graphs as the column "
+            f"says, no prefix caching, gpu_memory_utilization {settings['gpu_memory_utilization']}). Batch-1 decode "
+            f"ms/token: (one request generating {settings['output_len']} tokens - the same generating 1) / "
             f"{settings['output_len'] - 1}, median of {LATENCY_REPEATS}. Ratios: against the best vLLM kernel, > 1 "
             f"faster" + (f" ({'; '.join(best)})" if best else "") + ". Kernel: the one the engine's log names."
             + f"\n\nMeasured by:\n{measured}\n")

@@ -147,7 +147,8 @@ def test_write_ratios_failed_rows_and_plot(tmp_path):
             dict(method="awq", linear_backend="triton", label="awq:triton", kernel="TritonW4A16LinearKernel",
                  output_tok_s=None, decode_latency_ms=None, error="timed out after 300 s", command="run A"),
             dict(method="awq_turbomind", linear_backend="auto", label="awq_turbomind", kernel="turbomind 0.0.2",
-                 output_tok_s=3000.0, decode_latency_ms=6.0, kv_cache_tokens=460000, command="run B")]
+                 output_tok_s=3000.0, decode_latency_ms=6.0, kv_cache_tokens=460000, cudagraph_mode="NONE",
+                 command="run B")]
     settings = dict(prompts=1000, input_len=1024, output_len=128, gpu_memory_utilization=0.85, seed=0)
     meta = common.provenance("python -m benchmarks awq")
     awq.write(rows, tmp_path / "awq", awq.model_config(), settings, meta)
@@ -165,9 +166,9 @@ def test_write_ratios_failed_rows_and_plot(tmp_path):
     assert got["awq:triton"]["output_tok_s_vs_best_vllm"] is None and got["awq:triton"]["error"]
     md = (tmp_path / "awq.md").read_text()
     assert md.startswith("<sub>`python -m benchmarks awq` at commit ")
-    assert "| awq_turbomind | auto | turbomind 0.0.2 | 3,000 | 1.20x | 6.00 | 1.33x | 460,000 |  |" in md
-    assert "| awq_marlin | auto | MacheteLinearKernel | 2,000 | 0.80x | 8.00 | 1.00x | 450,000 | 5.44 |" in md
-    assert "| awq | triton | TritonW4A16LinearKernel **failed**: timed out after 300 s |  |  |  |  |  |  |" in md
+    assert "| awq_turbomind | auto | turbomind 0.0.2 | 3,000 | 1.20x | 6.00 | 1.33x | none | 460,000 |  |" in md
+    assert "| awq_marlin | auto | MacheteLinearKernel | 2,000 | 0.80x | 8.00 | 1.00x |  | 450,000 | 5.44 |" in md
+    assert "| awq | triton | TritonW4A16LinearKernel **failed**: timed out after 300 s |  |  |  |  |  |  |  |" in md
     assert "best vLLM throughput: awq_marlin:marlin (MarlinLinearKernel)" in md
     assert "best vLLM batch-1 decode: awq_marlin (MacheteLinearKernel)" in md
     assert "- awq_marlin, awq_marlin:marlin, awq:triton: `run A`" in md and "- awq_turbomind: `run B`" in md
