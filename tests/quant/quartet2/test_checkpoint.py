@@ -5,6 +5,7 @@ equal to the quantizer's, and the refusals."""
 import pytest
 import torch
 
+from tests.conftest import DEVICE
 from turboquant_vllm.quant.quartet2 import checkpoint, linear, nvfp4
 
 
@@ -27,7 +28,7 @@ def test_blocked_offsets_are_cublas_layout(rows, groups):
 
 def test_a_weight_round_trips_through_the_format():
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(256, 192, generator=gen) * 0.02
+    w = (torch.randn(256, 192, generator=gen) * 0.02).to(DEVICE)  # the kernel's device (a CPU runs it interpreted)
     q = linear.quantize_weight(w)
     blocked = checkpoint.block_scales(q.scales)
     assert not torch.equal(blocked.view(torch.uint8), q.scales.view(torch.uint8))  # the layout moved them
