@@ -72,6 +72,10 @@ class FakeLinear(torch.nn.Module):
             * self.scales.float().repeat_interleave(g, 0)
         return (x.float() @ w).half()
 
+    @classmethod
+    def clear_workspaces(cls):
+        return None
+
 
 @pytest.fixture
 def fake_turbomind(monkeypatch):

@@ -14,6 +14,7 @@ with the way out.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib
 import importlib.metadata
@@ -108,7 +109,13 @@ def load_turbomind():
         raise ImportError(f"{NAME}: turbomind is installed but its CUDA extension (_turbomind_ext) did not load (its "
                           f"error is logged above; it needs the CUDA 12 runtime, libcudart.so.12). Reinstall with "
                           f"{INSTALL}, or serve the checkpoint with vLLM's own AWQ kernels (without -q {NAME}).")
+    if not _exit_hook:  # its static workspaces would be freed after the CUDA runtime (an abort at exit)
+        atexit.register(turbomind.Linear.clear_workspaces)
+        _exit_hook.append(True)
     return turbomind
+
+
+_exit_hook: list[bool] = []
 
 
 def turbomind_version() -> str:
@@ -282,7 +289,6 @@ class AWQTurboMindLinearMethod(LinearMethodBase):
         key = linear.qweight.data_ptr()
         _LINEARS[key] = linear
         weakref.finalize(layer, _LINEARS.pop, key, None)
-        grow_workspace(linear, k, token_counts())
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n = layer.tm_qweight.shape[1] * PACK
@@ -315,7 +321,9 @@ NO_GRAPHS = '--compilation-config \'{"cudagraph_mode": "NONE"}\''
 
 def check_no_cuda_graphs(config: Any = None) -> None:
     """TurboMind 0.0.2's GEMM faults (illegal memory access) when vLLM replays it inside CUDA graphs, though it runs
-    right eagerly and compiled without graphs (measured on an H100, vLLM 0.25): refuse graphs at startup."""
+    right eagerly and compiled without graphs (measured on an H100, vLLM 0.25): refuse graphs at startup. Its split-k
+    workspace is made lazily, one per CUDA stream (cudaMallocAsync); vLLM captures on a fresh stream, so the first
+    capture records the allocation inside that one graph, and every other graph replays into its address."""
     from vllm.config import CUDAGraphMode
     from vllm.config.vllm import get_current_vllm_config_or_none
 
@@ -323,28 +331,6 @@ def check_no_cuda_graphs(config: Any = None) -> None:
     if config is not None and config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
         raise ValueError(f"{NAME} runs without CUDA graphs (TurboMind 0.0.2's GEMM faults when replayed in one): "
                          f"start vLLM with {NO_GRAPHS} (torch.compile stays on) or --enforce-eager. {WAY_OUT}.")
-
-
-def token_counts() -> list[int]:
-    """Every token count a CUDA graph is captured at, and powers of two up to the largest batch (outside an engine:
-    vLLM's defaults)."""
-    from vllm.config.vllm import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    if config is None:
-        return sorted({1, 2, 4, *range(8, 513, 8), *(1 << i for i in range(10, 14))})
-    largest = config.scheduler_config.max_num_batched_tokens
-    counts = set(config.compilation_config.cudagraph_capture_sizes or [])
-    counts.update(1 << i for i in range(largest.bit_length()))
-    return sorted(counts | {largest})
-
-
-def grow_workspace(linear: Any, k: int, counts: list[int]) -> None:
-    """TurboMind keeps one workspace for all its layers and reallocates it when a call needs more: a CUDA graph
-    captured before that would replay into freed memory. One call at every token count a step can have, before any
-    capture, grows it to its final size."""
-    for m in counts:
-        run_kernel(linear, torch.zeros(m, k, dtype=torch.float16, device=linear.qweight.device))
 
 
 def _awq_turbomind_gemm(x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
