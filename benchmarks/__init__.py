@@ -33,5 +33,7 @@ BENCHMARKS = {
                 "token count (GPU)",
     "awq": "AWQ int4 serving in vLLM end to end: output tok/s and batch-1 decode latency per AWQ kernel (Machete, "
            "Marlin, Triton, TurboMind) on a Llama-3-8B-shaped checkpoint (GPU)",
+    "weights": "weight quantization in vLLM end to end vs bf16 weights: output tok/s and batch-1 decode latency of "
+               "quartet2 (NVFP4 through Marlin FP4) and vLLM's fp8 on a Llama-3-8B-shaped model (GPU)",
     "kernel_sass": "compile a kernel for sm_90 offline (no GPU): registers, spills, the main loop's instruction mix",
 }

@@ -1,0 +1,236 @@
+"""benchmarks.weights without a GPU: the arguments, each row's child command, engine arguments and environment, the
+children's logs and the written results."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import common, weights
+
+
+def test_arguments_defaults():
+    args = weights.arguments([])
+    assert args.method_list == ["bf16", "fp8", "quartet2"]
+    assert (args.prompts, args.input_len, args.output_len, args.layers) == (1000, 1024, 128, 32)
+    assert args.gpu_memory_utilization == 0.85 and not args.merge and args.out is None and args.timeout == 0
+    assert args.child is None and args.model_dir is None
+
+
+def test_methods_are_canonical_and_checked():
+    assert weights.methods(" BF16, quartet2:auto ,quartet2, quartet2:Emulate,fp8,quartet2:marlin ") == [
+        "bf16", "quartet2", "quartet2:emulate", "fp8", "quartet2:marlin"]
+    assert weights.parse_method("quartet2") == ("quartet2", None)
+    assert weights.parse_method("quartet2:emulate") == ("quartet2", "emulate")
+    assert weights.parse_method("fp8") == ("fp8", None)
+    for bad in ("fp8:marlin", "bf16:emulate", "quartet2:w4a4", "", "fp 8"):
+        with pytest.raises(ValueError):
+            weights.parse_method(bad)
+    for bad in (["--methods", "quartet2:fast"], ["--methods", ","], ["--output-len", "1"], ["--child", "bf16"]):
+        with pytest.raises(SystemExit):
+            weights.arguments(bad)
+
+
+def test_child_commands_per_method(tmp_path):
+    args = weights.arguments(["--methods", "bf16,fp8,quartet2,quartet2:emulate", "--prompts", "200", "--input-len",
+                              "512", "--output-len", "64", "--layers", "4", "--gpu-memory-utilization", "0.8",
+                              "--timeout", "300", "--merge", "--out", str(tmp_path / "r")])
+    for spec in args.method_list:
+        cmd = weights.child_command(spec, tmp_path, args)
+        assert cmd[:3] == [sys.executable, "-m", "benchmarks.weights"]
+        assert cmd[-4:] == ["--model-dir", str(tmp_path), "--child", spec]
+        child = weights.arguments(cmd[3:])  # the child reads back what the parent measures
+        assert (child.child, child.model_dir, child.prompts, child.input_len, child.output_len, child.layers,
+                child.gpu_memory_utilization) == (spec, tmp_path, 200, 512, 64, 4, 0.8)
+        assert not child.merge and child.out is None and child.timeout == 0  # parent-only options stay there
+
+
+def test_engine_arguments_and_environment_per_method():
+    specs = weights.methods("bf16,fp8,quartet2,quartet2:emulate,quartet2:marlin")
+    kw = {spec: weights.llm_kwargs(weights.parse_method(spec)[0], "/m", 1024, 128, 0.85) for spec in specs}
+    assert {s: k.get("quantization") for s, k in kw.items()} == {
+        "bf16": None, "fp8": "fp8", "quartet2": "quartet2", "quartet2:emulate": "quartet2",
+        "quartet2:marlin": "quartet2"}
+    for k in kw.values():
+        assert k["load_format"] == "dummy" and k["dtype"] == "bfloat16" and k["model"] == "/m"
+        assert k["skip_tokenizer_init"] and not k["enable_prefix_caching"]
+        assert k["max_model_len"] == 1024 + 128 + 8 and k["gpu_memory_utilization"] == 0.85
+        assert "enforce_eager" not in k and "compilation_config" not in k  # vLLM's default compilation and graphs
+    assert {s: weights.row_env(*weights.parse_method(s)) for s in specs} == {
+        "bf16": {}, "fp8": {}, "quartet2": {"TURBOQUANT_QUARTET2_PATH": "auto"},
+        "quartet2:emulate": {"TURBOQUANT_QUARTET2_PATH": "emulate"},
+        "quartet2:marlin": {"TURBOQUANT_QUARTET2_PATH": "marlin"}}
+    from turboquant_vllm.quant.quartet2 import method
+
+    assert weights.PATH_ENV == method.PATH_ENV and weights.PATHS == method.PATHS and weights.OURS == method.NAME
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(**kw["fp8"])  # vLLM 0.25 takes every keyword
+    assert (args.load_format, args.quantization) == ("dummy", "fp8")
+
+
+def test_result_paths(tmp_path):
+    stem, logs = weights.result_paths(weights.arguments([]), gpu="h100")
+    assert stem == common.RESULTS / "weights"
+    assert logs == common.RESULTS / "weights" / "h100-llama3-8b-32l-1000x1024-128"
+    stem, logs = weights.result_paths(weights.arguments(["--layers", "8", "--prompts", "100"]), gpu="h200")
+    assert stem == logs == common.RESULTS / "weights" / "h200-llama3-8b-8l-100x1024-128"
+    stem, logs = weights.result_paths(weights.arguments(["--out", str(tmp_path / "run.md")]))
+    assert stem == logs == tmp_path / "run"
+
+
+def test_model_is_llama3_8b_in_bf16(tmp_path):
+    from transformers import AutoConfig
+
+    model = weights.model_config()
+    assert model["num_hidden_layers"] == 32 and weights.model_config(4)["num_hidden_layers"] == 4
+    assert model["torch_dtype"] == "bfloat16" and "quantization_config" not in model
+    assert weights.model_config(input_len=16384)["max_position_embeddings"] >= 16384 + 128
+    folder = weights.write_model(model, tmp_path / "m")
+    assert [p.name for p in folder.iterdir()] == ["config.json"]  # dummy weights: nothing else
+    cfg = AutoConfig.from_pretrained(folder)
+    assert type(cfg).__name__ == "LlamaConfig"
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.vocab_size) == (4096, 14336, 32, 8, 128, 128256)
+
+
+LOG = """INFO 11-26 02:00:00 [model.py:1] Resolved architecture: LlamaForCausalLM
+(EngineCore pid=123) INFO 11-26 02:00:05 [model_runner.py:302] Model loading took 14.99 GiB and 9.1 seconds
+(EngineCore pid=123) INFO 11-26 02:00:40 [gpu_worker.py:539] Available KV cache memory: 50.12 GiB
+"""
+QUARTET2 = ("INFO 11-26 03:38:39 [method.py:81] quartet2: NVFP4 path marlin (auto on sm90: no FP4 tensor cores; NVFP4 "
+            "weights through vLLM's Marlin FP4 (W4A16)), weights quantized after loading\n")
+FP8 = ("(EngineCore pid=9) INFO 11-26 02:00:05 [__init__.py:640] Selected CutlassFP8ScaledMMLinearKernel for "
+       "Fp8PerTensorOnlineLinearMethod\n")
+
+
+def test_log_facts():
+    assert weights.log_facts(LOG) == dict(kernel=None, weights_gib=14.99, kv_cache_gib=50.12, error=None)
+    assert weights.log_facts(QUARTET2 + LOG)["kernel"] == "Marlin FP4 W4A16 (quartet2 marlin)"
+    assert weights.log_facts(QUARTET2.replace("path marlin", "path emulate") * 2)["kernel"] == (
+        "W4A4 emulation (quartet2 emulate)")
+    assert weights.log_facts(FP8 + LOG)["kernel"] == "CutlassFP8ScaledMMLinearKernel"
+    failed = weights.log_facts(LOG + "ValueError: quartet2: vLLM's Marlin FP4 kernel does not run here\n")
+    assert failed["error"] == "ValueError: quartet2: vLLM's Marlin FP4 kernel does not run here"
+
+
+def fake_child(tmp_path, code: str) -> list[str]:
+    script = tmp_path / "child.py"
+    script.write_text(code)
+    return [sys.executable, str(script)]
+
+
+def test_measure_rows_their_environment_and_failures(tmp_path, monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_QUARTET2_PATH", "emulate")  # the caller's: never leaks into the plain row
+    code = ("import json, os, sys\nsys.stderr.write({log!r})\n"
+            "print('WEIGHTS_ROW ' + json.dumps(dict({row}, env_path=os.environ.get('TURBOQUANT_QUARTET2_PATH'), "
+            "cache=os.environ['VLLM_CACHE_ROOT'])))\n")
+    row = dict(method="quartet2", path="auto", label="quartet2", output_tok_s=2000.0, decode_latency_ms=5.0)
+    got = weights.measure("quartet2", fake_child(tmp_path, code.format(log=QUARTET2 + LOG, row=row)),
+                          tmp_path / "logs" / "quartet2.log", None, "cmd A")
+    assert got["output_tok_s"] == 2000.0 and got["kernel"] == "Marlin FP4 W4A16 (quartet2 marlin)"
+    assert got["env_path"] == "auto" and got["weights_gib"] == 14.99 and got["command"] == "cmd A"
+    assert not os.path.exists(got["cache"])  # a fresh compile cache per row, gone after it
+    assert "quartet2: NVFP4 path marlin" in (tmp_path / "logs" / "quartet2.log").read_text()
+
+    row = dict(method="bf16", path=None, label="bf16", kernel=weights.BF16_KERNEL, output_tok_s=1000.0,
+               decode_latency_ms=9.0)
+    got = weights.measure("bf16", fake_child(tmp_path, code.format(log=LOG, row=row)), tmp_path / "b.log", None, "B")
+    assert got["kernel"] == weights.BF16_KERNEL and got["env_path"] == "emulate"  # bf16's env as the caller's
+
+    got = weights.measure("quartet2:emulate", fake_child(tmp_path, "raise ValueError('no path')\n"),
+                          tmp_path / "c.log", None, "C")
+    assert (got["method"], got["path"], got["label"], got["output_tok_s"]) == ("quartet2", "emulate",
+                                                                              "quartet2:emulate", None)
+    assert got["error"] == "exit status 1: ValueError: no path"
+
+    slow = fake_child(tmp_path, "import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    got = weights.measure("fp8", slow, tmp_path / "d.log", 1, "D")
+    assert got["error"] == "timed out after 1 s" and got["path"] is None
+    assert "started" in (tmp_path / "d.log").read_text()
+
+
+SETTINGS = dict(prompts=1000, input_len=1024, output_len=128, gpu_memory_utilization=0.85, seed=0)
+
+
+def test_write_ratios_vs_bf16_failed_rows_and_plot(tmp_path):
+    rows = [dict(method="bf16", path=None, label="bf16", kernel=weights.BF16_KERNEL, output_tok_s=2000.0,
+                 decode_latency_ms=8.0, kv_cache_tokens=400000, weights_gib=14.96,
+                 cudagraph_mode="FULL_AND_PIECEWISE", command="run A"),
+            dict(method="fp8", path=None, label="fp8", kernel="CutlassFP8ScaledMMLinearKernel", output_tok_s=2500.0,
+                 decode_latency_ms=5.0, kv_cache_tokens=450000, weights_gib=8.46, command="run A"),
+            dict(method="quartet2", path="auto", label="quartet2", kernel="Marlin FP4 W4A16 (quartet2 marlin)",
+                 output_tok_s=1600.0, decode_latency_ms=3.2, kv_cache_tokens=480000, weights_gib=5.61,
+                 command="run B"),
+            dict(method="quartet2", path="emulate", label="quartet2:emulate", kernel=None, output_tok_s=None,
+                 decode_latency_ms=None, error="timed out after 300 s", command="run B")]
+    meta = common.provenance("python -m benchmarks weights")
+    weights.write(rows, tmp_path / "w", weights.model_config(), SETTINGS, meta)
+    data = json.loads((tmp_path / "w.json").read_text())
+    assert data["meta"]["command"] == "python -m benchmarks weights" and data["meta"]["versions"]["torch"]
+    assert data["meta"]["prompts"] == 1000 and data["meta"]["model"]["num_hidden_layers"] == 32
+    assert data["meta"]["load_format"] == "dummy"
+    got = {r["label"]: r for r in data["rows"]}
+    assert got["quartet2"]["output_tok_s_vs_bf16"] == pytest.approx(0.8)
+    assert got["quartet2"]["decode_speed_vs_bf16"] == pytest.approx(2.5)
+    assert got["fp8"]["decode_speed_vs_bf16"] == pytest.approx(1.6)
+    assert got["bf16"]["output_tok_s_vs_bf16"] == pytest.approx(1.0)
+    assert got["quartet2:emulate"]["output_tok_s_vs_bf16"] is None and got["quartet2:emulate"]["error"]
+    md = (tmp_path / "w.md").read_text()
+    assert md.startswith("<sub>`python -m benchmarks weights` at commit ")
+    assert ("| method | quartet2 path | kernel | output tok/s | vs bf16 | batch-1 decode ms/token | decode speed vs "
+            "bf16 | CUDA graphs | KV cache tokens | weights GiB |") in md
+    assert ("| bf16 |  | UnquantizedLinearMethod (bf16 matmul) | 2,000 | 1.00x | 8.00 | 1.00x | full_and_piecewise "
+            "| 400,000 | 14.96 |") in md
+    assert ("| quartet2 | auto | Marlin FP4 W4A16 (quartet2 marlin) | 1,600 | 0.80x | 3.20 | 2.50x |  | 480,000 | "
+            "5.61 |") in md
+    assert "| quartet2 | emulate | **failed**: timed out after 300 s |  |  |  |  |  |  |  |" in md
+    assert "- bf16, fp8: `run A`" in md and "- quartet2, quartet2:emulate: `run B`" in md
+    assert "32 layers, hidden 4096, intermediate 14336, 32 q / 8 KV heads, head_dim 128, vocab 128256" in md
+    assert "no bf16 row measured" not in md
+    assert (tmp_path / "w.png").stat().st_size > 0
+
+
+def test_without_bf16_no_ratios(tmp_path):
+    rows = [dict(method="bf16", path=None, label="bf16", kernel=weights.BF16_KERNEL, output_tok_s=None,
+                 decode_latency_ms=None, error="exit status 1: RuntimeError: x | y"),
+            dict(method="quartet2", path="auto", label="quartet2", kernel="k", output_tok_s=10.0,
+                 decode_latency_ms=1.0)]
+    weights.write(rows, tmp_path / "w", weights.model_config(2), dict(SETTINGS, prompts=10))
+    data = json.loads((tmp_path / "w.json").read_text())
+    assert data["rows"][1]["output_tok_s_vs_bf16"] is None and data["rows"][1]["decode_speed_vs_bf16"] is None
+    md = (tmp_path / "w.md").read_text()
+    assert "**failed**: exit status 1: RuntimeError: x \\| y" in md and "no bf16 row measured" in md
+    assert (tmp_path / "w.png").exists()
+
+
+def test_main_merges_rows_and_writes_after_each(tmp_path, monkeypatch):
+    """The parent without an engine: each row's child stubbed."""
+    out = tmp_path / "res"
+    seen, merging = [], False
+
+    def fake_measure(spec, cmd, log, timeout, command):
+        model_dir = cmd[cmd.index("--model-dir") + 1]
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        seen.append((spec, cmd[-1], log.name, timeout, config["num_hidden_layers"]))
+        if not merging:
+            assert out.with_suffix(".json").exists() == (len(seen) > 1)  # written after every row
+        method, path = weights.parse_method(spec)
+        return dict(method=method, path=path, label=spec, kernel="k", output_tok_s=float(len(seen)),
+                    decode_latency_ms=1.0, command=command)
+
+    monkeypatch.setattr(weights, "measure", fake_measure)
+    weights.main(["--methods", "quartet2,bf16", "--layers", "2", "--out", str(out), "--timeout", "60"])
+    assert seen == [("quartet2", "quartet2", "quartet2.log", 60.0, 2), ("bf16", "bf16", "bf16.log", 60.0, 2)]
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["label"] for r in rows] == ["bf16", "quartet2"]  # bf16 first
+    assert rows[1]["output_tok_s_vs_bf16"] == pytest.approx(0.5)
+    seen.clear()
+    merging = True
+    weights.main(["--methods", "quartet2:emulate,fp8,quartet2", "--layers", "2", "--out", str(out), "--merge"])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["label"] for r in rows] == ["bf16", "fp8", "quartet2", "quartet2:emulate"]
+    assert [s[2] for s in seen] == ["quartet2-emulate.log", "fp8.log", "quartet2.log"]
+    assert rows[2]["output_tok_s"] == 3.0  # quartet2 measured again, not the merged row
