@@ -8,6 +8,12 @@ configuration. Calibration (mean m and scale s per layer and KV head, core.calib
 1. attention error per layer (one window): ||o_proj(attn(q, K_hat, V_hat) - attn(q, K, V))||^2 over the
    reference's, for keys raw, centered, centered with the first token exact, and per-token centered (below).
 2. KL(P_fp32 || Q) per position (full vocabulary) and the PPL change over --windows windows per configuration.
+3. with per-layer configurations (below): per layer, the KL when only that layer's keys are 4-bit vs 5-bit
+   (centered per token, values exact) on a calibration window, the ranking behind "topN".
+
+A configuration is one of CONFIGS, optionally with other bits in some layers: "tq4 centered per token + k5 layers
+0,1,28,29" (5-bit keys, same values and centering there), "+ bf16 layers 12-28", "+ k5 layers top4" (the 4 layers
+where 5-bit keys save the most KL, measured as in 3). Each row's bytes per token per KV head average the layers.
 
 Key centering caches (k - m) / s: exact for softmax (q.m is the same for every key) and it takes out the mean that
 RoPE'd keys share. But attention-sink keys (e.g. a sequence's first token, which most heads attend to) are short
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -31,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from reference_lm.model import Llama, ModelConfig, rope_cos_sin
+from turboquant_vllm.core.packing import record_bytes
+from turboquant_vllm.core.presets import NORM_BYTES
 from turboquant_vllm.core.quantizer import Quantizer
 
 from . import common
@@ -48,6 +57,42 @@ CONFIGS = {  # name -> (key bits, value bits, key transform)
     "tq3 centered per token": (3, 3, "adaptive"),
     "k5v4 centered per token": (5, 4, "adaptive"),
 }
+OVERRIDES = {"k5": lambda kb, vb, how: (5, vb, how), "bf16": lambda kb, vb, how: ("bf16", "bf16", "")}
+
+
+def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[int, tuple]:
+    """layer -> (key bits, value bits, key transform) of a configuration: CONFIGS[base] + "k5|bf16 layers SPEC"s,
+    SPEC a comma list of layers, ranges a-b and topN (the first N of ranking)."""
+    _, *parts = (part.strip() for part in name.split("+"))
+    base = layers_of_base(name)
+    layers = dict.fromkeys(range(num_layers), base)
+    for part in parts:
+        kind, spec = re.fullmatch(r"(\w+) layers (\S+)", part).groups()
+        for item in spec.split(","):
+            if item.startswith("top"):
+                if ranking is None:
+                    raise ValueError(f"{name!r}: topN needs the per-layer ranking")
+                picked = ranking[:int(item[3:])]
+            else:
+                lo, _, hi = item.partition("-")
+                picked = range(int(lo), int(hi or lo) + 1)
+            for i in picked:
+                layers[i] = OVERRIDES[kind](*base)
+    return layers
+
+
+def layers_of_base(name: str) -> tuple:
+    return CONFIGS[name.split("+")[0].strip()]
+
+
+def side_bytes(bits, d: int) -> int:
+    """Bytes of one cached K or V vector of dim d: b-bit codes + fp32 norm, fp8, or 16-bit (None: kept exact)."""
+    return d if bits == "fp8" else 2 * d if bits in (None, "bf16") else record_bytes(d, bits) + NORM_BYTES
+
+
+def bytes_per_token(layers: dict[int, tuple], d: int) -> float:
+    """Bytes per token per KV head, the mean over layers."""
+    return float(np.mean([side_bytes(kb, d) + side_bytes(vb, d) for kb, vb, _ in layers.values()]))
 
 
 def load(path: Path) -> Llama:
@@ -69,6 +114,8 @@ def fake_quant(x: torch.Tensor, bits) -> torch.Tensor:
         return x
     if bits == "fp8":
         return x.to(torch.float8_e4m3fn).float()
+    if bits == "bf16":
+        return x.bfloat16().float()
     q = Quantizer(bits, x.shape[-1])
     return q.dequantize(*q.quantize(x))
 
@@ -89,10 +136,12 @@ def layer_qkv(model: Llama, i: int, x: torch.Tensor):
     return q, k, a.v_proj(h).view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
 
 
-def forward(model: Llama, ids: torch.Tensor, hook=None, inputs: list | None = None) -> torch.Tensor:
+def forward(model: Llama, ids: torch.Tensor, hook=None, inputs: list | None = None, start: int = 0,
+            x: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits; from layer `start` on with x its input (the reference's: the layers before it exact) if given."""
     cos, sin = rope_cos_sin(model.config, ids.shape[1], ids.device)
-    x = model.model.embed_tokens(ids)
-    for i, layer in enumerate(model.model.layers):
+    x = model.model.embed_tokens(ids) if x is None else x
+    for i, layer in enumerate(model.model.layers[start:], start):
         if inputs is not None:
             inputs.append(x)
         x = layer(x, cos, sin, None if hook is None else (lambda k, v, i=i: hook(i, k, v)))
@@ -151,7 +200,28 @@ def attention_error(model: Llama, ids: torch.Tensor, cal: dict) -> list[dict]:
     return rows
 
 
-def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str], log=print) -> dict:
+def key_bits_per_layer(model: Llama, ids: torch.Tensor, cal: dict, bits=(4, 5), log=print) -> list[dict]:
+    """Per layer: KL(P_fp32 || Q) when only that layer's keys go through the cache (centered per token, values
+    exact) at each key width; "gain": what 5-bit keys there save over 4-bit ones."""
+    rows, inputs = [], []
+    with torch.inference_mode():
+        logp_ref = forward(model, ids, inputs=inputs)[:, :-1].log_softmax(-1)
+        for i, x in enumerate(inputs):
+            row = {"layer": i}
+            for b in bits:
+                def hook(j, k, v, b=b):
+                    return (keys_through_cache(k, b, "adaptive", cal[j]) if j == i else k), v
+
+                logp = forward(model, ids, hook, start=i, x=x)[:, :-1].log_softmax(-1)
+                row[f"k{b}"] = (logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item()
+            row["gain"] = row[f"k{bits[0]}"] - row[f"k{bits[-1]}"]
+            rows.append(row)
+            log(f"layer {i:2d}: " + "  ".join(f"{k} {v:.5f}" for k, v in row.items() if k != "layer"))
+    return rows
+
+
+def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str], log=print,
+               ranking: list[int] | None = None) -> dict:
     refs, out = [], {}
     with torch.inference_mode():
         for ids in windows.split(1):
@@ -160,10 +230,11 @@ def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str],
         ref_nll = float(np.mean([r[2] for r in refs]))
         out["reference"] = {"ppl": math.exp(ref_nll)}
         for name in names:
-            kb, vb, how = CONFIGS[name]
+            layers = parse(name, len(model.model.layers), ranking)
             t0, kls, nlls = time.perf_counter(), [], []
 
-            def hook(i, k, v):
+            def hook(i, k, v, layers=layers):
+                kb, vb, how = layers[i]
                 return keys_through_cache(k, kb, how, cal[i]), fake_quant(v, vb)
 
             for ids, logp_ref, _ in refs:
@@ -171,8 +242,11 @@ def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str],
                 kls.append((logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item())
                 nlls.append(-logp.gather(-1, ids[:, 1:, None]).mean().item())
             out[name] = {"kl": float(np.mean(kls)), "ppl_delta_pct": 100 * (math.exp(np.mean(nlls) - ref_nll) - 1),
+                         "bytes_per_token": bytes_per_token(layers, model.config.head_dim),
+                         "other_layers": [i for i, c in layers.items() if c != layers_of_base(name)],
                          "seconds": time.perf_counter() - t0}
-            log(f"{name:26s} KL {out[name]['kl']:.5f}  PPL {out[name]['ppl_delta_pct']:+.2f}%")
+            log(f"{name:26s} KL {out[name]['kl']:.5f}  PPL {out[name]['ppl_delta_pct']:+.2f}%  "
+                f"{out[name]['bytes_per_token']:.1f} B")
     return out
 
 
@@ -181,8 +255,16 @@ def markdown(doc: dict) -> str:
     lines = [f"# {doc['model']}: where tq4's error comes from, per-token key centering (CPU, fp32)", "",
              f"{doc['windows']} WikiText-2 windows of {doc['seq_len']} tokens scored, calibration on "
              f"{doc['calib_windows']} others; reference PPL {r['reference']['ppl']:.3f}.", "",
-             "| configuration | KL (nats/token) | PPL vs fp32 |", "| --- | ---: | ---: |"]
-    lines += [f"| {n} | {r[n]['kl']:.5f} | {r[n]['ppl_delta_pct']:+.2f}% |" for n in r if n != "reference"]
+             "| configuration | B/token/KV head | KL (nats/token) | PPL vs fp32 | layers not the base's |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    lines += [f"| {n} | {r[n]['bytes_per_token']:.1f} | {r[n]['kl']:.5f} | {r[n]['ppl_delta_pct']:+.2f}% | "
+              f"{','.join(map(str, r[n]['other_layers']))} |" for n in r if n != "reference"]
+    if doc.get("key_bits_per_layer"):
+        rows = doc["key_bits_per_layer"]
+        lines += ["", "KL when only one layer's keys are quantized (centered per token, values exact), one calibration "
+                  "window; the ranking behind topN: " + ",".join(str(i) for i in doc["ranking"]), "",
+                  "| layer | k4 | k5 | gain |", "| ---: | ---: | ---: | ---: |"]
+        lines += [f"| {x['layer']} | {x['k4']:.5f} | {x['k5']:.5f} | {x['gain']:.5f} |" for x in rows]
     variants = [k for k in doc["attention_error"][0] if k != "layer"]
     lines += ["", "Attention output error through o_proj (relative energy), tq4 keys, values exact, one window:", "",
               "| layer | " + " | ".join(variants) + " |", "| ---: |" + " ---: |" * len(variants)]
@@ -214,8 +296,12 @@ def main(argv: list[str] | None = None) -> dict:
     cal = calibrate(model, calib)
     command = common.command_line(NAME, argv)
     doc = {"command": command, "model": args.model.name, "windows": args.windows, "calib_windows": args.calib_windows,
-           "seq_len": args.seq_len, "attention_error": attention_error(model, windows[:1], cal),
-           "results": kl_and_ppl(model, windows, cal, args.only.split(";"))}
+           "seq_len": args.seq_len, "attention_error": attention_error(model, windows[:1], cal)}
+    names, ranking = args.only.split(";"), None
+    if any("top" in name for name in names):  # ranked on a calibration window: not the scored ones
+        doc["key_bits_per_layer"] = key_bits_per_layer(model, calib[:1], cal)
+        ranking = doc["ranking"] = sorted(range(len(cal)), key=lambda i: -doc["key_bits_per_layer"][i]["gain"])
+    doc["results"] = kl_and_ppl(model, windows, cal, names, ranking=ranking)
     doc["seconds"] = time.perf_counter() - t0
     meta = common.provenance(command)
     # beside the reference LM's diagnosis: benchmarks/results/quality_diagnosis/cpu-<model>-centering
