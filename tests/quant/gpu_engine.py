@@ -47,6 +47,15 @@ def text_tokens(model: Path, count: int) -> list[int]:
     return ids[:count]
 
 
+def windows_and_prompts(model: Path, windows: int, window: int, prompts: int, prompt: int):
+    """WikiText-2's first tokens cut into `windows` scoring windows of `window` tokens, then `prompts` greedy prompts
+    of `prompt` tokens."""
+    ids = text_tokens(model, windows * window + prompts * prompt)
+    rest = ids[windows * window:]
+    return ([ids[i * window:(i + 1) * window] for i in range(windows)],
+            [rest[i * prompt:(i + 1) * prompt] for i in range(prompts)])
+
+
 def serve(model: Path, llm: dict, windows: list[list[int]], prompts: list[list[int]], generated: int,
           env: dict | None = None, timeout: int = 600) -> dict:
     """One engine over `model` with LLM(**llm): {"ppl", "nll", "tokens"}; a failed engine fails with its log tail."""

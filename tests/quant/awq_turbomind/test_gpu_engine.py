@@ -31,10 +31,7 @@ def test_awq_turbomind_serves_as_vllms_awq_kernels_do(checkpoint):
     pytest.importorskip("turbomind")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    ids = gpu_engine.text_tokens(MODEL, WINDOWS * WINDOW + PROMPTS * PROMPT)
-    windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(WINDOWS)]
-    rest = ids[WINDOWS * WINDOW:]
-    prompts = [rest[i * PROMPT:(i + 1) * PROMPT] for i in range(PROMPTS)]
+    windows, prompts = gpu_engine.windows_and_prompts(MODEL, WINDOWS, WINDOW, PROMPTS, PROMPT)
     no_graphs = {"awq_turbomind": dict(compilation_config={"cudagraph_mode": "NONE"})}  # it refuses graphs
     runs = {q: gpu_engine.serve(checkpoint, dict(quantization=q, dtype="float16", **no_graphs.get(q, {})), windows,
                                 prompts, GENERATED) for q in ("awq_marlin", "awq", "awq_turbomind")}

@@ -10,7 +10,6 @@ import types
 import pytest
 import torch
 
-from tests.conftest import DEVICE
 from turboquant_vllm.quant.awq_turbomind import awq_format, method
 
 GROUP = 128
@@ -90,19 +89,6 @@ def fake_turbomind(monkeypatch):
 def no_turbomind(monkeypatch):
     monkeypatch.setitem(sys.modules, "turbomind", None)  # `import turbomind` raises ImportError
 
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """vLLM's weight parameters ask for the tensor-parallel rank: a group of one process, as TP 1 has."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-    if not model_parallel_is_initialized():
-        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=DEVICE))):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"file://{tmp_path_factory.mktemp('pg')}/init")
-            initialize_model_parallel(1)
 
 
 def test_the_config_reads_autoawq_configs(fake_turbomind):

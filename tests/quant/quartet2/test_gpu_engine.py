@@ -21,10 +21,7 @@ WINDOWS, WINDOW, PROMPTS, PROMPT, GENERATED = 16, 1024, 8, 64, 32
 def test_quartet2_serves_the_reference_lm():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    ids = gpu_engine.text_tokens(MODEL, WINDOWS * WINDOW + PROMPTS * PROMPT)
-    windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(WINDOWS)]
-    rest = ids[WINDOWS * WINDOW:]
-    prompts = [rest[i * PROMPT:(i + 1) * PROMPT] for i in range(PROMPTS)]
+    windows, prompts = gpu_engine.windows_and_prompts(MODEL, WINDOWS, WINDOW, PROMPTS, PROMPT)
     serve = lambda llm, env=None: gpu_engine.serve(MODEL, dict(dtype="bfloat16", **llm), windows, prompts,  # noqa: E731
                                                     GENERATED, env)
     runs = {"bf16": serve({}), "auto": serve(dict(quantization="quartet2")),
