@@ -264,6 +264,7 @@ def child_env(env: dict | None = None) -> dict:
 # columns and bar plots are built here too. torch and vLLM are imported only inside the child's functions.
 
 ROW_PROMPTS, ROW_INPUT_LEN, ROW_OUTPUT_LEN, ROW_LAYERS = 1000, 1024, 128, 32
+ROWS_MODEL = "llama3-8b"  # the model those defaults are of, first in the result names
 LATENCY_REPEATS = 3
 WARMUP_PROMPTS = 16
 LOG_FACT_PATTERNS = {
@@ -289,14 +290,15 @@ def llama3_8b(base: dict, layers: int = ROW_LAYERS, input_len: int = ROW_INPUT_L
                 max_position_embeddings=max(base["max_position_embeddings"], input_len + output_len + 8))
 
 
-def add_row_arguments(ap: argparse.ArgumentParser, name: str) -> None:
+def add_row_arguments(ap: argparse.ArgumentParser, name: str,
+                      layers_help: str = "decoder layers of the Llama-3-8B shape") -> None:
     """The options every such benchmark takes: the requests, the model's depth, the engine's memory, --timeout,
     --out (default: the headline benchmarks/results/<name> for the default configuration, else
     benchmarks/results/<name>/<gpu>-<what>), --merge, and the child's hidden --child."""
     ap.add_argument("--prompts", type=int, default=ROW_PROMPTS)
     ap.add_argument("--input-len", type=int, default=ROW_INPUT_LEN)
     ap.add_argument("--output-len", type=int, default=ROW_OUTPUT_LEN)
-    ap.add_argument("--layers", type=int, default=ROW_LAYERS, help="decoder layers of the Llama-3-8B shape")
+    ap.add_argument("--layers", type=int, default=ROW_LAYERS, help=layers_help)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--seed", type=int, default=0, help="of the prompts' random token ids")
     ap.add_argument("--timeout", type=float, default=0, help="seconds a row may take before it is stopped and "
@@ -330,18 +332,20 @@ def is_default_rows(args: argparse.Namespace) -> bool:
             == (ROW_LAYERS, ROW_PROMPTS, ROW_INPUT_LEN, ROW_OUTPUT_LEN))
 
 
-def rows_config_name(args: argparse.Namespace) -> str:
-    return f"llama3-8b-{args.layers}l-{args.prompts}x{args.input_len}-{args.output_len}"
+def rows_config_name(args: argparse.Namespace, model: str = ROWS_MODEL) -> str:
+    return f"{model}-{args.layers}l-{args.prompts}x{args.input_len}-{args.output_len}"
 
 
-def rows_result_paths(name: str, args: argparse.Namespace, gpu: str | None = None) -> tuple[Path, Path]:
+def rows_result_paths(name: str, args: argparse.Namespace, gpu: str | None = None,
+                      model: str = ROWS_MODEL) -> tuple[Path, Path]:
     """(the results' path without extension, the children's log folder): the headline benchmarks/results/<name>
-    for the default configuration, benchmarks/results/<name>/<gpu>-<what> otherwise; --out overrides both."""
+    for the default configuration (of the Llama-3-8B shape, ROWS_MODEL), benchmarks/results/<name>/<gpu>-<what>
+    otherwise (<what> names `model` first); --out overrides both."""
     if args.out:
         stem = stem_of(args.out)
         return stem, stem
-    logs = result_stem(name, rows_config_name(args), gpu)
-    return (RESULTS / name if is_default_rows(args) else logs), logs
+    logs = result_stem(name, rows_config_name(args, model), gpu)
+    return (RESULTS / name if model == ROWS_MODEL and is_default_rows(args) else logs), logs
 
 
 # ---- rows: the child, one engine, one row ---------------------------------------------------------

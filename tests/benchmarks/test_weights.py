@@ -234,3 +234,202 @@ def test_main_merges_rows_and_writes_after_each(tmp_path, monkeypatch):
     assert [r["label"] for r in rows] == ["bf16", "fp8", "quartet2", "quartet2:emulate"]
     assert [s[2] for s in seen] == ["quartet2-emulate.log", "fp8.log", "quartet2.log"]
     assert rows[2]["output_tok_s"] == 3.0  # quartet2 measured again, not the merged row
+
+
+# ---- --model cloverlm-4b ----------------------------------------------------------------------------------------
+
+def test_arguments_per_model():
+    args = weights.arguments(["--model", "cloverlm-4b"])
+    assert args.model == "cloverlm-4b"
+    assert args.method_list == ["bf16", "quartet2:marlin", "quartet2:emulate", "modelopt_fp4"]
+    assert (args.prompts, args.input_len, args.output_len, args.layers) == (64, 1024, 128, 29)  # all 29 blocks
+    args = weights.arguments(["--model", "cloverlm-4b", "--layers", "4", "--prompts", "8", "--methods", "bf16"])
+    assert (args.prompts, args.layers, args.method_list) == (8, 4, ["bf16"])
+    assert weights.arguments([]).model == "llama3-8b"
+    assert weights.arguments(["--layers", "4"]).prompts == 1000  # llama3-8b's defaults stay
+    for bad in (["--model", "llama3-70b"], ["--model", "cloverlm-4b", "--output-len", "1"]):
+        with pytest.raises(SystemExit):
+            weights.arguments(bad)
+
+
+def test_cloverlm_child_command_reads_back(tmp_path):
+    args = weights.arguments(["--model", "cloverlm-4b", "--layers", "3", "--timeout", "130"])
+    cmd = weights.child_command("modelopt_fp4", tmp_path, args)
+    assert cmd[-6:] == ["--model", "cloverlm-4b", "--model-dir", str(tmp_path), "--child", "modelopt_fp4"]
+    child = weights.arguments(cmd[3:])
+    assert (child.model, child.child, child.layers, child.prompts, child.input_len, child.output_len,
+            child.timeout) == ("cloverlm-4b", "modelopt_fp4", 3, 64, 1024, 128, 0)
+
+
+def cloverlm_params(model: dict) -> int:
+    d, d_ff, kv = model["hidden_size"], model["intermediate_size"], model["num_key_value_heads"] * model["head_dim"]
+    block = d * (d + 2 * kv) + d * d + 2 * d * d_ff  # qkv, lo, l1, l2
+    return model["num_blocks"] * block + model["vocab_size"] * d  # the head tied to the embedding
+
+
+def test_cloverlm_4b_config(tmp_path):
+    from transformers import AutoConfig
+
+    from turboquant_vllm.models.cloverlm.config import MODEL_TYPE, CloverLMConfig
+    from turboquant_vllm.models.cloverlm.reference import CloverLMShape
+
+    model = weights.model_config(29, 1024, 128, "cloverlm-4b")
+    assert model["architectures"] == ["CloverLMForCausalLM"] and model["model_type"] == "cloverlm"
+    assert (model["num_blocks"], model["heads"], model["d_head"], model["ratio"], model["vocab_size"]) == (
+        29, 28, 128, 4, 32000)
+    assert model["weight_tying"] and model["tie_word_embeddings"] and model["torch_dtype"] == "bfloat16"
+    assert 3.9e9 < cloverlm_params(model) < 4.1e9  # CloverLM-4B
+    assert model["max_position_embeddings"] == model["max_context"] == 1024 + 128 + 8  # raised for the requests
+    assert weights.model_config(29, 512, 128, "cloverlm-4b")["max_context"] == 1024  # never below what it trained at
+    assert weights.model_config(5, 1024, 128, "cloverlm-4b")["num_hidden_layers"] == 5
+    assert "quantization_config" not in model
+    with pytest.raises(ValueError):
+        weights.model_config(model="cloverlm-7b")
+    shape = CloverLMShape.from_config(model)
+    assert (shape.d, shape.kv_heads, shape.d_ff) == (3584, 7, 14336)
+    assert "29 layers, hidden 3584, intermediate 14336, 28 q / 7 KV heads, head_dim 128, vocab 32000" in (
+        common.shape_text(model))
+    AutoConfig.register(MODEL_TYPE, CloverLMConfig, exist_ok=True)
+    cfg = AutoConfig.from_pretrained(weights.write_model(model, tmp_path / "m"))
+    assert type(cfg).__name__ == "CloverLMConfig"
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.num_hidden_layers, cfg.tie_word_embeddings) == (3584, 14336, 28, 7, 128, 29, True)
+    assert weights.model_title(model) == "CloverLM-4B" and weights.model_title(weights.model_config()) == "Llama-3-8B"
+
+
+def test_row_model_folders(tmp_path):
+    model = weights.model_config(2, 1024, 128, "cloverlm-4b")
+    plain = weights.row_model_dir("quartet2:marlin", model, tmp_path)
+    assert weights.row_model_dir("bf16", model, tmp_path) == plain
+    assert [p.name for p in plain.iterdir()] == ["config.json"]
+    nvfp4 = weights.row_model_dir("modelopt_fp4", model, tmp_path)
+    assert nvfp4 != plain and sorted(p.name for p in nvfp4.iterdir()) == ["config.json", "hf_quant_config.json"]
+    assert json.loads((nvfp4 / "config.json").read_text()) == model
+    quant = json.loads((nvfp4 / "hf_quant_config.json").read_text())
+    assert quant == {"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ["emb", "linear"]}}
+    assert weights.modelopt_quant_config(weights.model_config())["quantization"]["exclude_modules"] == ["lm_head"]
+    assert weights.llm_kwargs("modelopt_fp4", str(nvfp4), 1024, 128, 0.85)["quantization"] == "modelopt_fp4"
+
+
+def test_vllm_reads_the_row_folders(tmp_path):
+    """vLLM 0.25's own config path (no engine): the modelopt_fp4 folder as ModelOpt NVFP4 with CloverLM's layers
+    quantized and its embedding excluded; the bf16 rows' folder with no quantization that a method could claim."""
+    from vllm.config import LoadConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.weight_utils import get_quant_config
+
+    from turboquant_vllm.models.cloverlm import vllm_model
+
+    vllm_model.register()
+    model = weights.model_config(2, 1024, 128, "cloverlm-4b")
+    kw = weights.llm_kwargs("modelopt_fp4", str(weights.row_model_dir("modelopt_fp4", model, tmp_path)), 1024, 128,
+                            0.85)
+    config = EngineArgs(**kw).create_model_config()
+    assert config.quantization == "modelopt_fp4" and config.max_model_len == 1024 + 128 + 8
+    quant = get_quant_config(config, LoadConfig(load_format="dummy"))
+    assert type(quant).__name__ == "ModelOptNvFp4Config" and quant.group_size == 16
+    quant.packed_modules_mapping = vllm_model.CloverLMForCausalLM.packed_modules_mapping
+    assert quant.is_layer_excluded("transformer.emb") and quant.is_layer_excluded("transformer.linear")
+    for layer in ("mhsa.qkv", "mhsa.lo", "mlp.l1", "mlp.l2"):
+        assert not quant.is_layer_excluded(f"transformer.blocks.1.{layer}")
+    kw = weights.llm_kwargs("bf16", str(weights.row_model_dir("bf16", model, tmp_path)), 1024, 128, 0.85)
+    assert EngineArgs(**kw).create_model_config().quantization is None
+
+
+def test_child_refuses_an_unknown_architecture():
+    weights.check_architecture("LlamaForCausalLM")
+    with pytest.raises(RuntimeError, match="vLLM does not know the architecture NoSuchForCausalLM: .*entry point"):
+        weights.check_architecture("NoSuchForCausalLM")
+
+
+def test_cloverlm_result_paths(tmp_path):
+    args = weights.arguments(["--model", "cloverlm-4b"])
+    stem, logs = weights.result_paths(args, gpu="h100")
+    assert stem == logs == common.RESULTS / "weights" / "h100-cloverlm-4b-29l-64x1024-128"  # never the headline
+    assert weights.summary_path(args, stem) == common.RESULTS / "quartet2.json"
+    args = weights.arguments(["--model", "cloverlm-4b", "--out", str(tmp_path / "run.json")])
+    stem, logs = weights.result_paths(args)
+    assert stem == logs == tmp_path / "run" and weights.summary_path(args, stem) == tmp_path / "run-quartet2.json"
+    assert weights.summary_path(weights.arguments([]), common.RESULTS / "weights") is None  # llama3-8b: none
+    # llama3-8b's names as before
+    assert weights.result_paths(weights.arguments(["--layers", "8"]), gpu="h100")[0] == (
+        common.RESULTS / "weights" / "h100-llama3-8b-8l-1000x1024-128")
+
+
+MODELOPT_LOG = ("(EngineCore pid=9) INFO 11-26 02:00:05 [__init__.py:963] Using MarlinNvFp4LinearKernel for NVFP4 "
+                "GEMM\n")
+
+
+def test_log_facts_modelopt_kernel():
+    assert weights.log_facts(MODELOPT_LOG + LOG)["kernel"] == "MarlinNvFp4LinearKernel"
+
+
+def cloverlm_rows() -> list[dict]:
+    return [dict(method="bf16", path=None, label="bf16", kernel=weights.BF16_KERNEL, output_tok_s=4000.0,
+                 decode_latency_ms=4.0, weights_gib=7.52, command="run A"),
+            dict(method="quartet2", path="marlin", label="quartet2:marlin", kernel="Marlin FP4 W4A16 (quartet2 marlin)",
+                 output_tok_s=4400.0, decode_latency_ms=1.6, weights_gib=2.31, command="run A"),
+            dict(method="quartet2", path="emulate", label="quartet2:emulate", kernel=None, output_tok_s=None,
+                 decode_latency_ms=None, error="timed out after 130 s", command="run A"),
+            dict(method="modelopt_fp4", path=None, label="modelopt_fp4", kernel="MarlinNvFp4LinearKernel",
+                 output_tok_s=4300.0, decode_latency_ms=1.7, weights_gib=2.30, command="run A"),
+            dict(method="quartet2", path="auto", label="quartet2", kernel="Marlin FP4 W4A16 (quartet2 marlin)",
+                 output_tok_s=4350.0, decode_latency_ms=1.65, weights_gib=2.31, command="run B")]
+
+
+def test_summary_schema_from_rows(tmp_path):
+    got = weights.summary(cloverlm_rows())
+    assert got == {"rows": [
+        {"path": "bf16", "decode_latency_ms": 4.0, "output_tok_s": 4000.0, "weight_gib": 7.52},
+        {"path": "marlin", "decode_latency_ms": 1.6, "output_tok_s": 4400.0, "weight_gib": 2.31},
+        {"path": "modelopt_fp4", "decode_latency_ms": 1.7, "output_tok_s": 4300.0, "weight_gib": 2.30},
+        {"path": "quartet2", "decode_latency_ms": 1.65, "output_tok_s": 4350.0, "weight_gib": 2.31}]}
+    weights.write_summary(tmp_path / "s" / "quartet2.json", cloverlm_rows())
+    assert json.loads((tmp_path / "s" / "quartet2.json").read_text()) == got
+    assert weights.summary([]) == {"rows": []}
+
+
+def test_write_cloverlm_results(tmp_path):
+    model = weights.model_config(29, 1024, 128, "cloverlm-4b")
+    weights.write(cloverlm_rows()[:4], tmp_path / "c", model, dict(SETTINGS, prompts=64, model_name="cloverlm-4b"))
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["meta"]["model"]["architectures"] == ["CloverLMForCausalLM"] and data["meta"]["prompts"] == 64
+    got = {r["label"]: r for r in data["rows"]}
+    assert got["quartet2:marlin"]["decode_speed_vs_bf16"] == pytest.approx(2.5)
+    assert got["modelopt_fp4"]["output_tok_s_vs_bf16"] == pytest.approx(1.075)
+    md = (tmp_path / "c.md").read_text()
+    assert "vs bf16 weights, CloverLM-4B shape: 29 layers, hidden 3584" in md
+    assert "modelopt_fp4: random NVFP4 parameters loaded as they are" in md
+    assert "| modelopt_fp4 |  | MarlinNvFp4LinearKernel | 4,300 | 1.07x | 1.70 | 2.35x |" in md
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_main_cloverlm_writes_the_summary_after_each_row(tmp_path, monkeypatch):
+    out = tmp_path / "res"
+    summary = tmp_path / "res-quartet2.json"
+    seen = []
+
+    def fake_measure(spec, cmd, log, timeout, command):
+        model_dir = Path(cmd[cmd.index("--model-dir") + 1])
+        config = json.loads((model_dir / "config.json").read_text())
+        seen.append((spec, config["architectures"][0], config["num_blocks"], (model_dir / "hf_quant_config.json")
+                     .exists(), cmd[cmd.index("--model") + 1], timeout))
+        assert summary.exists() == (len(seen) > 1)  # written after every row
+        method, path = weights.parse_method(spec)
+        return dict(method=method, path=path, label=spec, kernel="k", output_tok_s=100.0 * len(seen),
+                    decode_latency_ms=4.0 / len(seen), weights_gib=7.5 / len(seen), command=command)
+
+    monkeypatch.setattr(weights, "measure", fake_measure)
+    weights.main(["--model", "cloverlm-4b", "--layers", "2", "--out", str(out), "--timeout", "130"])
+    assert seen == [("bf16", "CloverLMForCausalLM", 2, False, "cloverlm-4b", 130.0),
+                    ("quartet2:marlin", "CloverLMForCausalLM", 2, False, "cloverlm-4b", 130.0),
+                    ("quartet2:emulate", "CloverLMForCausalLM", 2, False, "cloverlm-4b", 130.0),
+                    ("modelopt_fp4", "CloverLMForCausalLM", 2, True, "cloverlm-4b", 130.0)]
+    data = json.loads(summary.read_text())
+    assert [r["path"] for r in data["rows"]] == ["bf16", "marlin", "emulate", "modelopt_fp4"]
+    assert all(set(r) == {"path", "decode_latency_ms", "output_tok_s", "weight_gib"} for r in data["rows"])
+    assert data["rows"][1] == {"path": "marlin", "decode_latency_ms": 2.0, "output_tok_s": 200.0, "weight_gib": 3.75}
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert results["meta"]["model"]["num_blocks"] == 2 and results["meta"]["model_name"] == "cloverlm-4b"
+    assert [r["label"] for r in results["rows"]] == ["bf16", "quartet2:marlin", "quartet2:emulate", "modelopt_fp4"]
