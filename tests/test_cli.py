@@ -345,7 +345,7 @@ def test_version(capsys):
 def test_every_option_has_help_and_preset_options_list_the_presets(capsys):
     parser = cli.build_parser()
     subparsers = next(a for a in parser._actions if a.dest == "command").choices
-    assert set(subparsers) == {"verify", "demo", "bench", "serve", "calibrate", "model"}
+    assert set(subparsers) == {"verify", "demo", "bench", "serve", "calibrate", "model", "cloverlm"}
     for name, sub in subparsers.items():
         for action in sub._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
@@ -363,3 +363,132 @@ def test_version_needs_neither_torch_nor_vllm():
             "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == [f"turboquant-vllm {cli.__version__}", "[]"]
+
+
+# --- cloverlm -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def clover_dir(tmp_path):
+    """A CloverLM checkpoint directory as the command checks it: config.json and a tokenizer (no weights: vLLM is
+    never started here)."""
+    from turboquant_vllm.models.cloverlm.checkpoint import config_of, write_tokenizer
+    from turboquant_vllm.models.cloverlm.reference import CloverLMShape
+
+    out = tmp_path / "clover"
+    out.mkdir()
+    shape = CloverLMShape(vocab_size=512, num_blocks=2, heads=4, d_head=64, ratio=2, max_context=256)
+    (out / "config.json").write_text(json.dumps(config_of(shape)))
+    write_tokenizer(out, 512)
+    return out
+
+
+@pytest.fixture
+def vllm_025(monkeypatch):
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
+
+
+def test_cloverlm_offline_generates_for_the_prompts_and_prints_them(clover_dir, vllm_025, monkeypatch, capsys):
+    from turboquant_vllm.cli import cloverlm
+
+    calls = []
+
+    def generate(engine, prompts, max_tokens):
+        calls.append((engine, prompts, max_tokens, os.environ.get("TURBOQUANT_PRESET")))
+        return [f"<{p}>" for p in prompts]
+
+    monkeypatch.setattr(cloverlm, "generate", generate)
+    assert main(["cloverlm", str(clover_dir)]) == 0
+    engine, prompts, max_tokens, preset = calls[-1]
+    assert engine == {"model": str(clover_dir), "tensor_parallel_size": 1, "dtype": "bfloat16"} and preset is None
+    assert prompts == list(cloverlm.DEFAULT_PROMPTS) and max_tokens == cloverlm.DEFAULT_MAX_TOKENS
+    out = capsys.readouterr().out
+    assert f"prompt: {prompts[0]}\ngenerated: <{prompts[0]}>" in out and out.count("generated: ") == 3
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the command sets the preset for vLLM's processes
+    assert main(["cloverlm", str(clover_dir), "--tp", "2", "--max-model-len", "256", "--gpu-memory-utilization",
+                 "0.3", "--kv-preset", "tq3", "--quantization", "quartet2", "--prompt", "a b", "--prompt", "c",
+                 "--max-tokens", "5"]) == 0
+    engine, prompts, max_tokens, preset = calls[-1]
+    assert engine == {"model": str(clover_dir), "tensor_parallel_size": 2, "dtype": "bfloat16", "max_model_len": 256,
+                      "gpu_memory_utilization": 0.3, "quantization": "quartet2", "attention_backend": "CUSTOM"}
+    assert (prompts, max_tokens, preset) == (["a b", "c"], 5, "tq3")
+    assert "generated: <a b>" in capsys.readouterr().out
+
+
+def test_cloverlm_api_execs_vllm_serve_with_its_flags(clover_dir, vllm_025, monkeypatch):
+    calls = []
+    monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: calls.append((exe, cmd, env)))
+    main(["cloverlm", str(clover_dir), "--api"])
+    exe, cmd, env = calls[-1]
+    assert exe == sys.executable and cmd == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+                                             str(clover_dir), "--host", "127.0.0.1", "--port", "8000",
+                                             "--tensor-parallel-size", "1", "--dtype", "bfloat16"]
+    assert "TURBOQUANT_PRESET" not in env
+    main(["cloverlm", str(clover_dir), "--api", "--host", "0.0.0.0", "--port", "9100", "--tp", "4", "--kv-preset",
+          "K4V3", "--max-model-len", "128", "--gpu-memory-utilization", "0.5", "--quantization", "quartet2"])
+    _, cmd, env = calls[-1]
+    assert cmd[5:] == ["--host", "0.0.0.0", "--port", "9100", "--tensor-parallel-size", "4", "--dtype", "bfloat16",
+                       "--max-model-len", "128", "--gpu-memory-utilization", "0.5", "--quantization", "quartet2",
+                       "--attention-backend", "CUSTOM"]
+    assert env["TURBOQUANT_PRESET"] == "k4v3"
+
+
+def test_cloverlm_a_remote_code_tokenizer_needs_trust_remote_code(clover_dir, vllm_025, monkeypatch, capsys):
+    (clover_dir / "tokenizer.json").unlink()
+    (clover_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_cloverlm.CloverLMTokenizer", None]}}))
+    assert main(["cloverlm", str(clover_dir), "--api"]) == 2
+    one_line_error(capsys, "the tokenizer is remote code", "--trust-remote-code")
+    calls = []
+    monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: calls.append(cmd))
+    main(["cloverlm", str(clover_dir), "--api", "--trust-remote-code"])
+    assert calls[-1][-1] == "--trust-remote-code"
+
+
+def nvfp4_quant(clover_dir):
+    from turboquant_vllm.models.cloverlm.checkpoint import nvfp4_quant_config
+
+    (clover_dir / "hf_quant_config.json").write_text(json.dumps(nvfp4_quant_config()))
+
+
+@pytest.mark.parametrize("change, argv, needles", [
+    (None, ["--api", "--prompt", "x"], ["--prompt and --max-tokens are for offline generation"]),
+    (None, ["--max-tokens", "4", "--api"], ["--prompt and --max-tokens are for offline"]),
+    (None, ["--port", "9000"], ["--host and --port are for the API server: add --api"]),
+    (None, ["--api", "--port", "70000"], ["argument --port: expected a TCP port in 1..65535"]),
+    (None, ["--tp", "3"], ["--tp 3: CloverLM's 4 attention heads do not split evenly over 3 GPUs"]),
+    (None, ["--tp", "0"], ["argument --tp: expected a positive number"]),
+    (None, ["--kv-preset", "bogus"], ["argument --kv-preset: unknown TurboQuant preset 'bogus'", "tq4"]),
+    (None, ["--quantization", "awq"], ["argument --quantization: invalid choice: 'awq'"]),
+    (None, ["--gpu-memory-utilization", "1.5"], ["expected a fraction in (0, 1]"]),
+    (None, ["--api", "--served-model-name", "x"], ["unrecognized arguments: --served-model-name x"]),
+    (nvfp4_quant, ["--tp", "2"], ["--tp 2: an NVFP4 checkpoint's blocked scales do not split over GPUs",
+                                  "--quantization quartet2"]),
+    (lambda d: (d / "tokenizer.json").unlink(), [], ["no tokenizer", "tokenizer.json"]),
+    (lambda d: (d / "config.json").unlink(), ["--api"], ["no config.json"]),
+    (lambda d: (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]})), [],
+     ["architectures ['LlamaForCausalLM'], not CloverLMForCausalLM", "turboquant-vllm serve"]),
+    (lambda d: (d / "config.json").write_text(json.dumps({"architectures": ["CloverLMForCausalLM"], "heads": 4,
+                                                          "d_head": 24})),
+     ["--kv-preset", "tq4"], ["--kv-preset tq4: CloverLM's head dimension 24: ", "multiple of 16"]),
+])
+def test_cloverlm_refusals_are_one_line(clover_dir, vllm_025, monkeypatch, capsys, change, argv, needles):
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("vLLM started"))
+    if change:
+        change(clover_dir)
+    assert main(["cloverlm", str(clover_dir), *argv]) == 2
+    one_line_error(capsys, *needles)
+
+
+def test_cloverlm_refuses_a_missing_directory_and_says_what_to_install_without_vllm(clover_dir, monkeypatch, capsys):
+    assert main(["cloverlm", str(clover_dir / "nope")]) == 2
+    one_line_error(capsys, "nope: no such directory")
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert main(["cloverlm", str(clover_dir), "--api"]) == 2
+    one_line_error(capsys, "vLLM is not installed; cloverlm needs vLLM 0.25", 'pip install "vllm>=0.25,<0.26"')
+
+
+def test_cloverlm_runs_as_a_module(clover_dir):
+    """`python -m turboquant_vllm.cli` (the GPU scripts' way where the console script is off PATH)."""
+    done = subprocess.run([sys.executable, "-m", "turboquant_vllm.cli", "cloverlm", str(clover_dir), "--port", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "add --api" in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]

@@ -54,3 +54,19 @@ def test_the_quantization_methods_register_with_vllm():
     plugins.register()
     for name in ("awq_turbomind", "quartet2"):
         assert name in QUANTIZATION_METHODS and get_quantization_config(name).__name__.endswith("Config")
+
+
+def test_cloverlm_registers_from_the_entry_point_without_importing_the_model():
+    """The entry point makes CloverLMForCausalLM and model_type "cloverlm" known; the model module (vLLM's layers)
+    is imported only when vLLM resolves the class."""
+    import subprocess
+
+    probe = ("import sys\nfrom turboquant_vllm import plugins\nplugins.register()\n"
+             "from transformers import AutoConfig\nfrom vllm import ModelRegistry\n"
+             "assert 'CloverLMForCausalLM' in ModelRegistry.get_supported_archs()\n"
+             "assert AutoConfig.for_model('cloverlm').__class__.__name__ == 'CloverLMConfig'\n"
+             "assert 'turboquant_vllm.models.cloverlm.vllm_model' not in sys.modules\n"
+             "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert plugins.PLUGINS["cloverlm"] == "turboquant_vllm.models.cloverlm:register"

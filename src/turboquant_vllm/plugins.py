@@ -18,6 +18,7 @@ PLUGINS = {
     "turboquant-kv-cache": "turboquant_vllm.vllm:register",  # --attention-backend CUSTOM
     "awq-turbomind": "turboquant_vllm.quant.awq_turbomind:register",  # -q awq_turbomind
     "quartet2": "turboquant_vllm.quant.quartet2.method:register",  # -q quartet2
+    "cloverlm": "turboquant_vllm.models.cloverlm:register",  # architecture CloverLMForCausalLM
 }
 
 

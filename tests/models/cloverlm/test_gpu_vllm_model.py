@@ -36,9 +36,7 @@ ENGINE = """
 import json, sys
 a = json.loads(sys.argv[1])
 from turboquant_vllm import plugins
-from turboquant_vllm.models.cloverlm import vllm_model
-plugins.register()  # the package's vLLM entry point (quartet2)
-vllm_model.register()  # CloverLM, until plugins.PLUGINS names it
+plugins.register()  # the package's vLLM entry point: CloverLM and quartet2
 from vllm import LLM, SamplingParams
 llm = LLM(model=a["model"], skip_tokenizer_init=True, seed=0, dtype="bfloat16", max_model_len=a["max_model_len"],
           gpu_memory_utilization=0.3, **a["llm"])

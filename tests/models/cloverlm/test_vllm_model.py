@@ -234,3 +234,46 @@ def nvfp4_weight(w: torch.Tensor) -> torch.Tensor:
 
     q = linear.quantize_weight(w)
     return (linear.unscaled_values(q.packed, q.scales) * q.tensor_scale.float()).to(w.dtype)
+
+
+def test_an_nvfp4_checkpoint_loads_as_written(tmp_path, one_rank, sdpa, monkeypatch):
+    """checkpoint.write_nvfp4_checkpoint's files, claimed by quartet2 from hf_quant_config.json and loaded by the
+    model's load_weights: every linear holds the written codes, scales and tensor scales (qkv: three parts, one
+    tensor scale each), the embedding and norms stay bf16; the W4A4 emulation is as near the reference as the
+    on-the-fly test's."""
+    from safetensors.torch import load_file
+    from vllm.config import ModelConfig
+
+    from turboquant_vllm import plugins
+    from turboquant_vllm.models.cloverlm.checkpoint import nvfp4_quant_config, write_nvfp4_checkpoint
+    from turboquant_vllm.quant.quartet2 import method, nvfp4
+
+    monkeypatch.setenv(method.PATH_ENV, "emulate")
+    shape = ref.CloverLMShape(vocab_size=160, num_blocks=1, heads=4, d_head=64, ratio=2, max_context=64)
+    w = weights(shape, seed=10)
+    out = write_nvfp4_checkpoint(shape, w, tmp_path / "nvfp4")
+    plugins.register()
+    assert ModelConfig(model=str(out), skip_tokenizer_init=True, dtype="bfloat16").quantization == "quartet2"
+    model = build(out, torch.bfloat16, method.Quartet2Config.from_config(nvfp4_quant_config()))
+    assert model.load_weights(load_file(str(out / "model.safetensors")).items()) == set(dict(model.named_parameters()))
+    for _, module in model.named_modules():
+        if isinstance(getattr(module, "quant_method", None), method.Quartet2LinearMethod):
+            module.quant_method.process_weights_after_loading(module)
+    p = "transformer.blocks.0"
+    parts = [nvfp4.quantize(w[f"{p}.mhsa.{n}.weight"].float()) for n in ("lq", "lk", "lv")]
+    qkv = model.transformer.blocks[0].mhsa.qkv
+    assert torch.equal(qkv.weight_packed, torch.cat([nvfp4.pack(q.codes) for q in parts]))
+    assert torch.equal(qkv.weight_scales.view(torch.uint8), torch.cat([q.scales.view(torch.uint8) for q in parts]))
+    assert torch.equal(qkv.weight_tensor_scale, torch.cat([q.tensor_scale.expand(n) for q, n in zip(parts, (256, 128,
+                                                                                                           128))]))
+    l2 = nvfp4.quantize(w[f"{p}.mlp.l2.weight"].float())
+    assert torch.equal(model.transformer.blocks[0].mlp.l2.weight_packed, nvfp4.pack(l2.codes))
+    assert model.transformer.emb.weight.dtype == torch.bfloat16
+    assert torch.equal(model.transformer.emb.weight[:160], w["transformer.emb.weight"])
+    ids = torch.randint(0, 160, (24,), generator=torch.Generator().manual_seed(11))
+    want = ref.forward(w, shape, ids).log_softmax(-1)
+    got = logits(model, ids).log_softmax(-1)
+    dequantized = {k: nvfp4_weight(v) if k.endswith(("lq.weight", "lk.weight", "lv.weight", "lo.weight",
+                                                     "l1.0.weight", "l2.weight")) else v for k, v in w.items()}
+    weight_noise = (ref.forward(dequantized, shape, ids).log_softmax(-1) - want).abs().mean()
+    assert torch.isfinite(got).all() and (got - want).abs().mean() < 2 * weight_noise, weight_noise

@@ -13,8 +13,8 @@ to the attention's dtype; softmax scale 1.0; the RMSNorms with fp32 weights and 
 torch.nn.RMSNorm's arithmetic (normalize and weigh in fp32, round once) where vLLM's bf16 weight would round the
 normalized value before weighing it.
 
-`register()` makes the architecture known to vLLM (the model class imported lazily, by name) and CloverLM's config
-class known to transformers' AutoConfig; cheap and idempotent.
+Registered by the package's vLLM entry point (turboquant_vllm.plugins -> models.cloverlm.register, which names
+this module's class by string); `register` is re-exported here.
 """
 
 from collections.abc import Iterable
@@ -23,38 +23,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MODEL_TYPE, CloverLMConfig
-from .reference import NORM_EPS, ROPE_BASE
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CacheConfig, VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-ARCH = "CloverLMForCausalLM"
+from . import ARCH, register  # noqa: F401  (register: re-exported)
+from .config import CloverLMConfig
+from .reference import NORM_EPS, ROPE_BASE
 
 # checkpoint module -> (vLLM module, shard of the fused layer)
 STACKED = ((".mhsa.lq.", ".mhsa.qkv.", "q"), (".mhsa.lk.", ".mhsa.qkv.", "k"), (".mhsa.lv.", ".mhsa.qkv.", "v"))
 RENAMED = ((".mlp.l1.0.", ".mlp.l1."),)  # CloverLM's l1 is Sequential(Linear, ReLU^2)
-
-
-def register() -> None:
-    """CloverLMForCausalLM for vLLM and model_type "cloverlm" for AutoConfig (what vLLM reads config.json with)."""
-    from transformers import AutoConfig
-    from vllm import ModelRegistry
-
-    AutoConfig.register(MODEL_TYPE, CloverLMConfig, exist_ok=True)
-    if ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCH, f"{__name__}:CloverLMForCausalLM")
-
-
-# vLLM's modules are imported below register(): importing them is what building the model needs, not registering.
-from vllm.compilation.decorators import support_torch_compile  # noqa: E402
-from vllm.config import CacheConfig, VllmConfig  # noqa: E402
-from vllm.distributed import get_tensor_model_parallel_rank  # noqa: E402
-from vllm.model_executor.layers.attention import Attention  # noqa: E402
-from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
-from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear  # noqa: E402
-from vllm.model_executor.layers.logits_processor import LogitsProcessor  # noqa: E402
-from vllm.model_executor.layers.quantization import QuantizationConfig  # noqa: E402
-from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
 
 
 def _norm(d: int) -> RMSNorm:

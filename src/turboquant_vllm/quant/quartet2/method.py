@@ -20,7 +20,8 @@ import os
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase, UnquantizedLinearMethod,
+                                               register_weight_loader_v2_supported_method)
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 from vllm.model_executor.utils import set_weight_attrs
@@ -126,6 +127,9 @@ def _keep(layer: torch.nn.Module, **tensors: torch.Tensor | None) -> None:
         setattr(layer, name, None if t is None else torch.nn.Parameter(t, requires_grad=False))
 
 
+# vLLM's parameter-aware loaders: the NVFP4 checkpoint's per-part tensor scales (_scale_2) land in their slots of a
+# fused layer only through them (the legacy loader asserts on a scalar for a fused layer)
+@register_weight_loader_v2_supported_method
 class Quartet2LinearMethod(LinearMethodBase):
     """bf16 weights loaded as vLLM loads them (sharded, fused), then NVFP4: 0.28x their bytes. From a CloverLM NVFP4
     checkpoint: codes, blocked scales and one tensor scale per fused part, loaded as they are and unblocked once.
@@ -164,9 +168,13 @@ class Quartet2LinearMethod(LinearMethodBase):
                              f"parts {output_partition_sizes} x {input_size} are not (quantize the bf16 checkpoint "
                              f"on the fly, -q quartet2)")
         rows = sum(output_partition_sizes)
+
+        def load_codes(param, loaded: torch.Tensor, *args, **kwargs):  # the converter's dtype, copied as bytes
+            return weight_loader(param, loaded.view(torch.uint8), *args, **kwargs)
+
         params = {
             "weight": ModelWeightParameter(data=torch.empty(rows, input_size // 2, dtype=torch.uint8), input_dim=1,
-                                           output_dim=0, weight_loader=weight_loader),
+                                           output_dim=0, weight_loader=load_codes),
             "weight_scale": ModelWeightParameter(
                 data=torch.empty(rows, input_size // nvfp4.GROUP, dtype=torch.float8_e4m3fn), input_dim=1,
                 output_dim=0, weight_loader=weight_loader),
