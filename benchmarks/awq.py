@@ -3,8 +3,7 @@
 A Llama-3-8B-shaped AWQ checkpoint with random codes (group 128, fp16; quant.awq_turbomind.checkpoint.random_checkpoint:
 hidden 4096, intermediate 14336, 32 q / 8 KV heads, head_dim 128, vocab 128256, --layers of them), no tokenizer,
 random prompt token ids (fixed seed), ignore_eos, greedy, no prefix caching, vLLM's default compilation and CUDA
-graphs (awq_turbomind: compiled without graphs, see quant.awq_turbomind.method.check_no_cuda_graphs),
-gpu_memory_utilization 0.85. Rows (--methods, each <quantization>[:<linear backend>],
+graphs, gpu_memory_utilization 0.85. Rows (--methods, each <quantization>[:<linear backend>],
 the backend passed as LLM(linear_backend=...), i.e. --linear-backend):
 
 - awq_marlin: vLLM's AWQ method, the kernel vLLM picks here (on Hopper: MacheteLinearKernel);
@@ -109,14 +108,12 @@ def default_checkpoint(layers: int) -> Path:
 def llm_kwargs(quantization: str, backend: str | None, model_dir: str, input_len: int, output_len: int,
                gpu_memory_utilization: float) -> dict:
     """LLM(...) of a row: the checkpoint in fp16, no tokenizer, no prefix caching, vLLM's default compilation and
-    CUDA graphs (awq_turbomind: compiled, no graphs, which it refuses), --linear-backend where the row names one."""
+    CUDA graphs, --linear-backend where the row names one."""
     kwargs = dict(model=model_dir, quantization=quantization, dtype="float16", skip_tokenizer_init=True, seed=0,
                   max_model_len=input_len + output_len + 8, gpu_memory_utilization=gpu_memory_utilization,
                   enable_prefix_caching=False)
     if backend:
         kwargs["linear_backend"] = backend
-    if quantization == "awq_turbomind":
-        kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
     return kwargs
 
 

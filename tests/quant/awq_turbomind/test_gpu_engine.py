@@ -3,7 +3,7 @@
 The reference LM (trained, hidden 512) quantized to AWQ int4 group 128 by our helper: WikiText-2 perplexity under
 awq_turbomind within 0.5% of vLLM's `awq_marlin` and `awq` (Triton), and greedy continuations that follow
 awq_marlin's (fp16 kernels summing in other orders may part at a near-tie, so most, not all, must agree to the end).
-Compiled, fp16 (AWQ's kernels' dtype); vLLM's kernels with CUDA graphs, awq_turbomind without (it refuses them).
+Compiled with CUDA graphs (vLLM's default), fp16 (AWQ's kernels' dtype).
 
     source .gpukit/bin/env.sh && python -m pytest -q -s tests/quant/awq_turbomind/test_gpu_engine.py
 """
@@ -32,9 +32,8 @@ def test_awq_turbomind_serves_as_vllms_awq_kernels_do(checkpoint):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     windows, prompts = gpu_engine.windows_and_prompts(MODEL, WINDOWS, WINDOW, PROMPTS, PROMPT)
-    no_graphs = {"awq_turbomind": dict(compilation_config={"cudagraph_mode": "NONE"})}  # it refuses graphs
-    runs = {q: gpu_engine.serve(checkpoint, dict(quantization=q, dtype="float16", **no_graphs.get(q, {})), windows,
-                                prompts, GENERATED) for q in ("awq_marlin", "awq", "awq_turbomind")}
+    runs = {q: gpu_engine.serve(checkpoint, dict(quantization=q, dtype="float16"), windows, prompts, GENERATED)
+            for q in ("awq_marlin", "awq", "awq_turbomind")}
     ppl = {q: r["ppl"] for q, r in runs.items()}
     agree = [gpu_engine.same_prefix(a, b) for a, b in zip(runs["awq_turbomind"]["tokens"],
                                                           runs["awq_marlin"]["tokens"])]

@@ -68,24 +68,23 @@ def test_turbomind_layers_match_the_fp32_reference(turbomind, one_rank, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_op_captures_in_a_cuda_graph(turbomind, one_rank, dtype):
+def test_graphs_captured_on_fresh_streams_replay(turbomind, one_rank, dtype):
+    """As vLLM captures: one graph per batch size, each on a stream that never ran the op eagerly, all replayed after
+    the last capture (TurboMind's per-stream workspace, made inside the first capture, once faulted here)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     k, n = 4096, 4096
     quant, layer, _ = loaded_layer(k, n, gen)
     bias = torch.randn(n, generator=gen, device="cuda").to(dtype)
-    for m in (1, 64):
+    graphs = []
+    for m in (1, 8, 64, 512):
         static_x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
-        # eager first, on a side stream as vLLM warms up: TurboMind allocates its workspace at the first call
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            quant.apply(layer, static_x, bias)
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
             static_out = quant.apply(layer, static_x, bias)
-        for _ in range(2):
-            static_x.copy_(torch.randn(m, k, generator=gen, device="cuda").to(dtype))
+        graphs.append((graph, static_x, static_out))
+    for _ in range(2):
+        for graph, static_x, static_out in graphs:
+            static_x.copy_(torch.randn(static_x.shape, generator=gen, device="cuda").to(dtype))
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(static_out, quant.apply(layer, static_x, bias))

@@ -391,14 +391,3 @@ def test_a_deleted_layer_leaves_the_registry(fake_turbomind, one_rank):
     del quant, layer
     gc.collect()
     assert len(method._LINEARS) == before
-
-
-def test_cuda_graphs_are_refused_with_the_way_out():
-    from vllm.config import CompilationConfig, CUDAGraphMode
-
-    graphs = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
-    config = types.SimpleNamespace(compilation_config=graphs)
-    with pytest.raises(ValueError, match='cudagraph_mode": "NONE"'):
-        method.check_no_cuda_graphs(config)
-    config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-    method.check_no_cuda_graphs(config)

@@ -216,7 +216,6 @@ class AWQTurboMindConfig(QuantizationConfig):
             if is_layer_skipped(prefix, self.modules_to_not_convert, self.packed_modules_mapping,
                                 skip_with_substr=True):
                 return UnquantizedLinearMethod()
-            check_no_cuda_graphs()
             return AWQTurboMindLinearMethod(self)
         if isinstance(layer, RoutedExperts):
             raise ValueError(f"{NAME} runs dense linear layers; {prefix} is a mixture-of-experts layer, which "
@@ -283,6 +282,8 @@ class AWQTurboMindLinearMethod(LinearMethodBase):
         linear.qzeros.copy_(layer.qzeros.data)
         linear.scales.copy_(layer.scales.data)
         linear.post_init()  # AWQ nibble order -> TurboMind's; the C++ side converts and fuses scales / zeros
+        if qweight.is_cuda and qweight.device not in _STREAMS:  # the stream's workspace, made outside any capture
+            run_kernel(linear, torch.zeros(1, k, dtype=torch.float16, device=qweight.device))
         del layer.qweight, layer.qzeros, layer.scales  # the checkpoint's tensors go: TurboMind's copy is the weight
         # linear.qweight (and the scales / zeros it keeps) stay alive with `linear`: the C++ object reads them
         layer.register_buffer("tm_qweight", linear.qweight, persistent=False)
@@ -311,26 +312,30 @@ class AWQTurboMindLinearMethod(LinearMethodBase):
 _LINEARS: dict[int, Any] = {}
 
 
+# TurboMind 0.0.2 makes its split-k workspace lazily, one per (device, stream), with cudaMallocAsync: made inside a
+# CUDA graph capture (vLLM captures on streams of its own), it is recorded in that one graph, and the graphs captured
+# after it reuse its address, unmapped outside it (an illegal address at replay). Every TurboMind GEMM therefore runs
+# on one stream per device, forked from the current stream and joined back (both captured as graph edges), whose
+# workspace the first layer's loading makes eagerly.
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def kernel_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
 def run_kernel(linear: Any, x: torch.Tensor) -> torch.Tensor:
-    """The one call into TurboMind: x (M, K) fp16, contiguous -> (M, N) fp16 on the current CUDA stream."""
-    return linear.forward(x)
-
-
-NO_GRAPHS = '--compilation-config \'{"cudagraph_mode": "NONE"}\''
-
-
-def check_no_cuda_graphs(config: Any = None) -> None:
-    """TurboMind 0.0.2's GEMM faults (illegal memory access) when vLLM replays it inside CUDA graphs, though it runs
-    right eagerly and compiled without graphs (measured on an H100, vLLM 0.25): refuse graphs at startup. Its split-k
-    workspace is made lazily, one per CUDA stream (cudaMallocAsync); vLLM captures on a fresh stream, so the first
-    capture records the allocation inside that one graph, and every other graph replays into its address."""
-    from vllm.config import CUDAGraphMode
-    from vllm.config.vllm import get_current_vllm_config_or_none
-
-    config = config or get_current_vllm_config_or_none()
-    if config is not None and config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-        raise ValueError(f"{NAME} runs without CUDA graphs (TurboMind 0.0.2's GEMM faults when replayed in one): "
-                         f"start vLLM with {NO_GRAPHS} (torch.compile stays on) or --enforce-eager. {WAY_OUT}.")
+    """The one call into TurboMind: x (M, K) fp16, contiguous -> (M, N) fp16, ordered on the current stream."""
+    if x.device.type != "cuda":
+        return linear.forward(x)  # a stand-in Linear (the CPU tests' fake)
+    out = torch.empty((x.shape[0], linear.out_features), dtype=torch.float16, device=x.device)
+    current, stream = torch.cuda.current_stream(x.device), kernel_stream(x.device)
+    stream.wait_stream(current)
+    linear.linear.forward(x, out, stream.cuda_stream)  # the C++ Linear: turbomind.Linear.forward without its copies
+    current.wait_stream(stream)
+    return out
 
 
 def _awq_turbomind_gemm(x: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
