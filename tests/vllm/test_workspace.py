@@ -39,7 +39,8 @@ def test_reservation_covers_every_step(vllm_config, preset):
                                sched.max_num_seqs, sms)
     assert most >= attention_workspace_shape(sched.max_num_batched_tokens, q_heads, d, 1)[0]
     for seqs in range(1, sched.max_num_seqs + 1):
-        splits = split_count(seqs, kv_heads, sms, decode_launch(p, d).programs_per_sm)
+        launch = decode_launch(p, d)
+        splits = split_count(seqs, kv_heads, sms, launch.programs_per_sm, launch.max_splits)
         assert most >= attention_workspace_shape(seqs, q_heads, d, splits)[0]
         # a mixed step: seqs decodes, the rest of the token budget as prefill
         assert most >= workspace_elems(seqs, sched.max_num_batched_tokens - seqs, splits, q_heads, d)
@@ -80,7 +81,10 @@ def test_split_choice_is_the_kernels_and_fixed_by_batch_shape(sms, preset, head_
     layout = cache_layout(p, head_dim, 8, 16)
     launch = decode_launch(p, head_dim)
     for seqs in (2, 3, 8, 64, 256):
-        assert decode_num_splits(seqs, layout, sms) == split_count(seqs, 8, sms, launch.programs_per_sm)
+        assert decode_num_splits(seqs, layout, sms) == split_count(seqs, 8, sms, launch.programs_per_sm,
+                                                                   launch.max_splits)
+    # at most 16 splits of two or more sequences at head_dim 256 (tq4), 32 elsewhere
+    assert launch.max_splits == (16 if (preset, head_dim) == ("tq4", 256) else 32)
     # one sequence: the per-warp decode kernel takes up to 64 splits, the general kernel (5-bit keys) 32
     one = decode_num_splits(1, layout, sms)
     assert one == split_count(1, 8, sms, launch.programs_per_sm, launch.max_splits_one_sequence)

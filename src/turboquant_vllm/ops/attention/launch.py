@@ -26,6 +26,11 @@ NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs
 MAX_SPLITS = 32
 MAX_SPLITS_ONE_SEQUENCE = 64
 MIN_SPLIT_TOKENS = 256
+# tq4 at head_dim 256, 16 q / 8 KV heads, H100 (h100-tq4-d256-split-count.md): up to 16 splits of two or more
+# sequences, not 32: 16 x 2k 0.1448 -> 0.0946 ms, 2 x 8k 0.1024 -> 0.0770, 8 x 32k 0.3546 -> 0.2829 (8 splits are
+# 10% faster still at 16 x 2k, but 64 x 8k already takes 8); splits left empty there cost more than they save (the
+# 512-token floor: 2 x 8k 0.1313). One sequence keeps 64: 1 x 32k 0.1490 ms (16: 0.1784), 1 x 8k 0.0907 (16: 0.0640).
+MAX_SPLITS_HEAD_DIM_256 = 16
 # A merge program takes 4 rows (of 16 in its MMA tile) up to 64 rows, so one or two sequences' partials spread over
 # more SMs: H200 (h200-tq4-one-sequence-d128.md) 2 x 32k 0.0522 -> 0.0502 ms at d 128, H100 0.0524 -> 0.0508; from
 # 256 rows on it neither gains nor loses.
@@ -56,6 +61,7 @@ class AttentionLaunch:
     max_registers: int  # per thread; 0: the compiler's choice
     programs_per_sm: int  # the split count's target (split_count)
     max_splits_one_sequence: int = MAX_SPLITS  # the split cap when the batch is one sequence
+    max_splits: int = MAX_SPLITS  # the split cap otherwise
 
 
 GENERAL_LAUNCH = AttentionLaunch(4, 3, 0, 1)  # the general kernel outside decode: one split
@@ -65,7 +71,8 @@ def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
     """tq4 at head_dim <= 128: one-warp programs, loads two tiles ahead, 168 registers (12 programs fit an SM) and
     ~6 programs per SM, one wave: 1.07x over one tile ahead and 24 programs per SM at 16 / 4 heads, 64 x 8k and
     32 x 32k, 1.09x at head_dim 64. The narrower presets: one tile ahead (two buffers cost them 5%), 24 programs per
-    SM, 168 registers at head_dim 65..128 (tq3 1.05x, tq2 1.09x over uncapped), as tq4 at head_dim 256. The general
+    SM, 168 registers at head_dim 65..128 (tq3 1.05x, tq2 1.09x over uncapped), as tq4 at head_dim 256 (there at most
+    16 splits of two or more sequences). The general
     kernel (5-bit keys): four warps, 2 programs per SM, no register cap (every cap tried lost)."""
     if not per_warp_decode(preset):
         return AttentionLaunch(4, 3, 0, 2)
@@ -73,7 +80,7 @@ def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
     if preset.k_bits == 4 and preset.v_bits == 4:
         if width <= 128:
             return AttentionLaunch(1, 5, 168, 6, MAX_SPLITS_ONE_SEQUENCE)
-        return AttentionLaunch(1, 3, 0, 24, MAX_SPLITS_ONE_SEQUENCE)
+        return AttentionLaunch(1, 3, 0, 24, MAX_SPLITS_ONE_SEQUENCE, MAX_SPLITS_HEAD_DIM_256)
     return AttentionLaunch(1, 3, 168 if width == 128 else 0, 24, MAX_SPLITS_ONE_SEQUENCE)
 
 
@@ -91,7 +98,7 @@ def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None
     if not num_seqs:
         return 1
     launch = decode_launch(layout.preset, layout.head_dim)
-    cap = launch.max_splits_one_sequence if num_seqs == 1 else MAX_SPLITS
+    cap = launch.max_splits_one_sequence if num_seqs == 1 else launch.max_splits
     return split_count(num_seqs, layout.num_kv_heads, sms or num_sms(), launch.programs_per_sm, cap)
 
 
