@@ -107,7 +107,7 @@ def run_offline(model_dir: Path, tp: int, env: dict, log_stem: Path, extra: tupl
     out = Path(f"{log_stem}.out").read_text(errors="replace")
     err = Path(f"{log_stem}.err").read_text(errors="replace")
     return dict(status=status, generations=parse_generations(out), seconds=round(time.monotonic() - start, 1),
-                stderr=err)
+                stderr=err, log=out + err)  # vLLM logs to stdout
 
 
 def offline_check(run: dict) -> dict:
@@ -127,10 +127,11 @@ def client_for(base_url: str):
 
 
 def greedy(**kw) -> dict:
-    """Greedy, never cut short by EOS, and a cache salt of its own: each request prefills every prompt token (a
-    prefix-cache hit computes the rest otherwise, which may turn a near-tie of a random model)."""
-    return dict(max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True, "cache_salt": uuid.uuid4().hex},
-                **kw)
+    """Greedy, never cut short by EOS, special tokens kept in the text (a random model may pick only those), and a
+    cache salt of its own: each request prefills every prompt token (a prefix-cache hit computes the rest otherwise,
+    which may turn a near-tie of a random model)."""
+    return dict(max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True, "skip_special_tokens": False,
+                                                                    "cache_salt": uuid.uuid4().hex}, **kw)
 
 
 def check_models(base_url: str, model: str, model_dir: Path) -> dict:
@@ -223,7 +224,7 @@ def run_all(tp: int, log_dir: Path) -> dict:
         def nvfp4() -> dict:
             run = run_offline(dirs["nvfp4"], 1, env, log_dir / "offline_nvfp4")
             details = offline_check(run)
-            assert "weights from the NVFP4 checkpoint" in run["stderr"], "quartet2 did not read the NVFP4 weights"
+            assert "weights from the NVFP4 checkpoint" in run["log"], "quartet2 did not read the NVFP4 weights"
             return details
     else:
         def nvfp4() -> dict:
