@@ -51,3 +51,16 @@ def test_a_row_does_not_depend_on_its_batch():
     alone = linear.emulated_linear(x[3:4], w)
     together = linear.emulated_linear(x, w)[3:4]
     assert torch.equal(alone, together)
+
+
+def test_fused_parts_keep_a_tensor_scale_each():
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(32, 64, generator=gen) * 0.05, torch.randn(16, 64, generator=gen) * 2.0  # scales 40x apart
+    fused = linear.quantize_parts(torch.cat([q, k]).to(DEVICE), [32, 16])
+    alone = [linear.quantize_weight(t.to(DEVICE)) for t in (q, k)]
+    assert torch.equal(fused.packed, torch.cat([a.packed for a in alone]))
+    assert torch.equal(fused.scales.view(torch.uint8), torch.cat([a.scales for a in alone]).view(torch.uint8))
+    rows = torch.cat([alone[0].tensor_scale.expand(32), alone[1].tensor_scale.expand(16)])
+    assert torch.equal(fused.tensor_scale, rows)
+    one = linear.quantize_parts(q.to(DEVICE), [32])  # one part: quantize_weight's scalar scale
+    assert one.tensor_scale.dim() == 0 and torch.equal(one.packed, alone[0].packed)

@@ -76,7 +76,12 @@ def test_a_layer_loads_quantizes_and_applies_as_the_emulation(emulate, one_rank)
     assert not hasattr(layer, "weight") and layer.weight_packed.shape == (48, 32)
     x = torch.randn(5, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     bias = torch.randn(48, generator=gen).to(torch.bfloat16).to(DEVICE)
-    want = linear.emulated_linear(x, linear.quantize_weight(w), bias)
+    # the fused parts (rows 0..31, 32..47) quantized as the model's own two linears: a tensor scale each
+    first, second = linear.quantize_weight(w[:32]), linear.quantize_weight(w[32:])
+    assert torch.equal(layer.weight_tensor_scale, torch.cat([first.tensor_scale.expand(32),
+                                                             second.tensor_scale.expand(16)]))
+    assert torch.equal(layer.weight_packed, torch.cat([first.packed, second.packed]))
+    want = linear.emulated_linear(x, linear.quantize_parts(w, [32, 16]), bias)
     assert torch.equal(quant.apply(layer, x, bias), want)
 
 

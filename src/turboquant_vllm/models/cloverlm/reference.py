@@ -93,7 +93,8 @@ def forward(weights: dict[str, torch.Tensor], shape: CloverLMShape, ids: torch.T
         q = F.normalize(apply_rope(q, cos, sin), dim=-1) * w[f"{p}.mhsa.scale"].view(shape.heads, 1, 1)
         k = F.normalize(apply_rope(k, cos, sin), dim=-1)
         k, v = k.repeat_interleave(shape.ratio, dim=0), v.repeat_interleave(shape.ratio, dim=0)
-        scores = (q @ k.transpose(1, 2)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        scores = (q @ k.transpose(1, 2)).masked_fill(causal, float("-inf"))
         attn = (scores.softmax(dim=-1) @ v).transpose(0, 1).reshape(t, shape.d)
         x = x + rms_norm(attn @ w[f"{p}.mhsa.lo.weight"].T, w[f"{p}.out_att_norm.weight"], NORM_EPS)
         h = F.relu(x @ w[f"{p}.mlp.l1.0.weight"].T) ** 2

@@ -33,6 +33,17 @@ def quantize_weight(weight: torch.Tensor) -> NVFP4Weight:
     return NVFP4Weight(packed, scales, ts)
 
 
+def quantize_parts(weight: torch.Tensor, parts: list[int]) -> NVFP4Weight:
+    """A fused layer's weight (its parts' rows stacked, e.g. q / k / v) -> NVFP4 with one tensor scale per part, as
+    the model's own linears (and their NVFP4 checkpoints) are quantized: the tensor scale repeated over each part's
+    rows. One part: quantize_weight."""
+    if len(parts) <= 1:
+        return quantize_weight(weight)
+    pieces = [quantize_weight(w) for w in weight.split(parts, dim=0)]
+    rows = torch.cat([q.tensor_scale.reshape(1).expand(n) for q, n in zip(pieces, parts)])
+    return NVFP4Weight(torch.cat([q.packed for q in pieces]), torch.cat([q.scales for q in pieces]), rows)
+
+
 def unscaled_values(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """code x group scale (the tensor scale left out) of packed (R, K / 2) codes: exact in bf16 and fp32."""
     step = scales.to(torch.float32).repeat_interleave(nvfp4.GROUP, dim=-1)

@@ -27,7 +27,7 @@ from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScalePa
 from vllm.model_executor.utils import set_weight_attrs
 
 from . import checkpoint, marlin, nvfp4
-from .linear import NVFP4Weight, emulated_linear, quantize_weight
+from .linear import NVFP4Weight, emulated_linear, quantize_parts
 
 logger = logging.getLogger("vllm.turboquant_vllm.quartet2")
 
@@ -146,6 +146,7 @@ class Quartet2LinearMethod(LinearMethodBase):
                              f"that keeps it a multiple of {nvfp4.GROUP}, or serve without -q quartet2")
         weight_loader = extra_weight_attrs.pop("weight_loader")
         layer.quartet2_dtype = params_dtype  # the activations' dtype: Marlin's scales are prepared for it
+        layer.quartet2_parts = list(output_partition_sizes)  # a fused layer's parts: a tensor scale each
         if self.config.prequantized:
             self._create_nvfp4_weights(layer, input_size_per_partition, input_size, output_partition_sizes,
                                        weight_loader, extra_weight_attrs)
@@ -184,7 +185,6 @@ class Quartet2LinearMethod(LinearMethodBase):
         for name, param in params.items():
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
-        layer.quartet2_parts = list(output_partition_sizes)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self.config.prequantized:
@@ -194,7 +194,7 @@ class Quartet2LinearMethod(LinearMethodBase):
             w = NVFP4Weight(layer.weight.data, checkpoint.unblock_scales(layer.weight_scale.data), row_scale)
             del layer.weight, layer.weight_scale, layer.weight_scale_2
         else:
-            w = quantize_weight(layer.weight.data)
+            w = quantize_parts(layer.weight.data, layer.quartet2_parts)  # q / k / v, gate / up: a scale each
             del layer.weight  # the bf16 copy goes: only the NVFP4 weight stays
         if self.config.path == "marlin":
             self._prepare_marlin(layer, w)
