@@ -1,16 +1,18 @@
 """The `quartet2` quantization method for vLLM: bf16 / fp16 checkpoints' linear layers quantized to NVFP4 once after
 loading (Quartet II's 4/6 rule, one tensor scale per weight), or CloverLM's NVFP4 checkpoints read as they are
 (quant.quartet2.checkpoint; claimed through override_quantization_method), run by one of the execution paths below,
-chosen at startup ($TURBOQUANT_QUARTET2_PATH: auto, marlin or emulate) and named in one log line with the reason.
+chosen at startup ($TURBOQUANT_QUARTET2_PATH: auto, w4a4, marlin or emulate) and named in one log line with the reason.
 
-Paths built:
-  `marlin`   (Hopper / Ampere, and Blackwell until its W4A4 path is built; what `auto` picks on CUDA GPUs where
-             vLLM's Marlin FP4 runs): the NVFP4 weights, kept exact, through vLLM's Marlin FP4 kernel, activations in
+Paths:
+  `w4a4`     (Blackwell, sm100+, with vLLM's CUTLASS NVFP4 GEMM; what `auto` picks there): weights and activations in
+             NVFP4 on the FP4 tensor cores, activations quantized per row (quant.quartet2.w4a4). Not yet run on a GPU:
+             CPU-tested against the kernel's contract only.
+  `marlin`   (Hopper / Ampere, and Blackwell without the FP4 GEMM; what `auto` picks on other CUDA GPUs where vLLM's
+             Marlin FP4 runs): the NVFP4 weights, kept exact, through vLLM's Marlin FP4 kernel, activations in
              bf16 / fp16 (W4A16, quant.quartet2.marlin). Decode reads 0.28x the weight bytes of bf16.
   `emulate`  (any GPU, opt-in): activations quantized per row by the same rule, W4A4's numerics exactly, slower than
              bf16.
-Not built yet: Blackwell's FP4 tensor cores (W4A4). Where no path can run, `auto` refuses at startup and names the
-way out.
+Where no path can run, `auto` refuses at startup and names the way out.
 """
 
 from __future__ import annotations
@@ -26,24 +28,25 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import checkpoint, marlin, nvfp4
+from . import checkpoint, marlin, nvfp4, w4a4
 from .linear import NVFP4Weight, emulated_linear, quantize_parts
 
 logger = logging.getLogger("vllm.turboquant_vllm.quartet2")
 
 NAME = "quartet2"
 PATH_ENV = "TURBOQUANT_QUARTET2_PATH"
-PATHS = ("auto", "marlin", "emulate")
+PATHS = ("auto", "w4a4", "marlin", "emulate")
 
 
-def gpu() -> tuple[int | None, bool]:
+def gpu() -> tuple[int | None, bool, bool]:
     """(the CUDA device's compute capability as major * 10 + minor, None without one; whether vLLM's Marlin FP4
-    kernel runs on it)."""
+    kernel runs on it; whether vLLM's CUTLASS NVFP4 GEMM (W4A4) does)."""
     from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import is_fp4_marlin_supported
     from vllm.platforms import current_platform
 
     capability = current_platform.get_device_capability() if current_platform.is_cuda() else None
-    return (capability.to_int() if capability is not None else None), bool(is_fp4_marlin_supported())
+    capability = capability.to_int() if capability is not None else None
+    return capability, bool(is_fp4_marlin_supported()), w4a4.available(capability)
 
 
 def choose_path() -> tuple[str, str]:
@@ -54,19 +57,28 @@ def choose_path() -> tuple[str, str]:
         raise ValueError(f"{PATH_ENV}={requested!r}: choose one of {', '.join(PATHS)}")
     if requested == "emulate":
         return "emulate", f"{PATH_ENV}=emulate: W4A4 numerics exactly, activations quantized per row"
-    capability, marlin_ok = gpu()
+    capability, marlin_ok, w4a4_ok = gpu()
     sm = f"sm{capability}" if capability is not None else "no CUDA GPU"
+    w4a4_why = "NVFP4 weights and activations (per row) on the FP4 tensor cores through vLLM's CUTLASS NVFP4 GEMM"
+    if requested == "w4a4" or (requested == "auto" and w4a4_ok):
+        if w4a4_ok:
+            return "w4a4", f"{requested} on {sm}: {w4a4_why}"
+        lack = ("no FP4 tensor cores (they need sm100+, Blackwell)" if capability is None or capability < 100
+                else "this vLLM build has no CUTLASS NVFP4 GEMM for it")
+        raise ValueError(f"quartet2: {PATH_ENV}=w4a4 cannot run here ({sm}: {lack}). Set {PATH_ENV}=auto (the "
+                         f"fastest path this GPU runs), marlin (NVFP4 weights, bf16 activations) or emulate (W4A4 "
+                         f"numerics exactly, any GPU).")
     if not marlin_ok:
         raise ValueError(
             f"quartet2: vLLM's Marlin FP4 kernel (NVFP4 weights, bf16 activations) does not run here ({sm}; it needs "
-            f"an NVIDIA GPU of sm75 or newer and vLLM's CUDA kernels), and the FP4 tensor-core path (W4A4, "
-            f"Blackwell) is not built yet. Set {PATH_ENV}=emulate for the exact emulation (any GPU, slower than "
-            f"bf16), or serve the bf16 checkpoint without -q quartet2.")
+            f"an NVIDIA GPU of sm75 or newer and vLLM's CUDA kernels), nor does the FP4 tensor-core path (W4A4, "
+            f"sm100+ with vLLM's CUTLASS NVFP4 GEMM). Set {PATH_ENV}=emulate for the exact emulation (any GPU, "
+            f"slower than bf16), or serve the bf16 checkpoint without -q quartet2.")
     if requested == "marlin":
         return "marlin", f"{PATH_ENV}=marlin on {sm}: NVFP4 weights through vLLM's Marlin FP4, activations unquantized"
     if capability is not None and capability >= 100:
-        return "marlin", (f"auto on {sm}: FP4 tensor cores present but the W4A4 path is not built yet; NVFP4 weights "
-                          f"through vLLM's Marlin FP4 (W4A16)")
+        return "marlin", (f"auto on {sm}: FP4 tensor cores present but this vLLM build has no CUTLASS NVFP4 GEMM "
+                          f"for them; NVFP4 weights through vLLM's Marlin FP4 (W4A16)")
     return "marlin", f"auto on {sm}: no FP4 tensor cores; NVFP4 weights through vLLM's Marlin FP4 (W4A16)"
 
 
@@ -133,7 +145,7 @@ def _keep(layer: torch.nn.Module, **tensors: torch.Tensor | None) -> None:
 class Quartet2LinearMethod(LinearMethodBase):
     """bf16 weights loaded as vLLM loads them (sharded, fused), then NVFP4: 0.28x their bytes. From a CloverLM NVFP4
     checkpoint: codes, blocked scales and one tensor scale per fused part, loaded as they are and unblocked once.
-    Then kept as they are (emulate) or repacked once for Marlin (marlin)."""
+    Then kept as they are (emulate), or put once into the layout of Marlin (marlin) or of the FP4 GEMM (w4a4)."""
 
     def __init__(self, config: Quartet2Config) -> None:
         self.config = config
@@ -199,6 +211,12 @@ class Quartet2LinearMethod(LinearMethodBase):
         if self.config.path == "marlin":
             self._prepare_marlin(layer, w)
             return
+        if self.config.path == "w4a4":
+            p = w4a4.prepare(w)
+            _keep(layer, w4a4_weight=p.weight, w4a4_weight_scale=p.weight_scale, w4a4_alpha=p.alpha,
+                  w4a4_channel_scale=p.channel_scale)
+            layer.quartet2_w4a4_shape = (p.size_n, p.size_k)
+            return
         _keep(layer, weight_packed=w.packed, weight_scales=w.scales, weight_tensor_scale=w.tensor_scale)
 
     @staticmethod
@@ -221,6 +239,10 @@ class Quartet2LinearMethod(LinearMethodBase):
                                    layer.marlin_workspace, layer.marlin_channel_scale, *layer.quartet2_marlin_shape,
                                    layer.quartet2_dtype)
             return marlin.marlin_linear(x, m, bias)
+        if self.config.path == "w4a4":
+            p = w4a4.W4A4Weight(layer.w4a4_weight, layer.w4a4_weight_scale, layer.w4a4_alpha,
+                                layer.w4a4_channel_scale, *layer.quartet2_w4a4_shape)
+            return w4a4.w4a4_linear(x, p, bias)
         weight = NVFP4Weight(layer.weight_packed, layer.weight_scales, layer.weight_tensor_scale)
         return emulated_linear(x, weight, bias)
 
