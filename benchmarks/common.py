@@ -14,7 +14,9 @@ row, the tables and plots).
 
 from __future__ import annotations
 
+import abc
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -28,7 +30,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, ContextManager, Iterable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -577,3 +579,251 @@ def rows_plot(path: Path, rows: list[dict], title: str, ours: Callable[[dict], b
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---- rows: one benchmark of them (awq, weights) -------------------------------------------------------------------
+
+class WeightRows(abc.ABC):
+    """A benchmark of end-to-end rows in vLLM, one weight quantization per row (--methods: <method>[:<variant>]): its
+    command line, the child measuring one row, the parent running the children, the results (.json, .md, .png). A
+    subclass (awq, weights) says what differs with its kind of row: the attributes below, the abstract hooks, and the
+    hooks with a default that it overrides. --help is the subclass's module's docstring."""
+
+    name: str  # python -m benchmarks <name>, benchmarks/results/<name>
+    tag: str  # the child's result line: <tag> <json>
+    kernel_patterns: KernelPatterns  # the log lines naming the kernel (log_facts)
+    order_labels: tuple[str, ...]  # rows in this order, others after
+    ours: str  # the method whose bars are orange
+    dtype: str  # the engine's
+    meta_extra: dict  # what the results' meta records besides the model and the settings
+    variant_column: tuple[str, Callable[[dict], str]]  # the table's second column: its header, a row's cell
+    versus: tuple[str, str]  # the ratios' reference: as the table's headers name it, as the rows' keys end
+
+    # ---- hooks: the command line and the model
+
+    @staticmethod
+    @abc.abstractmethod
+    def parse_method(spec: str) -> tuple[str, str | None]:
+        """A --methods entry -> (method, variant; None: the method's default)."""
+
+    @abc.abstractmethod
+    def identity(self, spec: str) -> dict:
+        """A row's method, variant and label: what its child's row starts with, all that a failed row has."""
+
+    @abc.abstractmethod
+    def add_arguments(self, ap: argparse.ArgumentParser) -> None:
+        """--methods, add_row_arguments and the kind's own options."""
+
+    def defaults(self, args: argparse.Namespace) -> dict:
+        """Defaults that depend on other options, for those left None."""
+        return {}
+
+    def check_arguments(self, ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        """The kind's own checks, after the common ones."""
+
+    @abc.abstractmethod
+    def model(self, args: argparse.Namespace) -> dict:
+        """The config.json the rows run."""
+
+    def model_name(self, args: argparse.Namespace) -> str:
+        """The model first in the result names."""
+        return ROWS_MODEL
+
+    def settings(self, args: argparse.Namespace) -> dict:
+        """The requests' configuration, as the results' meta records it."""
+        return row_settings(args)
+
+    # ---- hooks: the children
+
+    @abc.abstractmethod
+    def model_dirs(self, args: argparse.Namespace, model: dict) -> ContextManager[Callable[[str], Path]]:
+        """While the rows run: a row's model folder."""
+
+    @abc.abstractmethod
+    def child_arguments(self, args: argparse.Namespace, model_dir: str | Path) -> list[str]:
+        """The options telling a child its model (folder) beside the requests' options."""
+
+    @abc.abstractmethod
+    def child_model_dir(self, args: argparse.Namespace) -> Path:
+        """The child's model folder, from those options."""
+
+    @contextlib.contextmanager
+    def environment(self, method: str, variant: str | None) -> Iterator[dict]:
+        """A row's process's environment while it runs."""
+        yield child_env()
+
+    @abc.abstractmethod
+    def prepare_child(self, method: str, variant: str | None, config: dict) -> None:
+        """In the child, before vLLM builds the engine: the plugins the row needs."""
+
+    def llm_kwargs(self, method: str, variant: str | None, model_dir: str, input_len: int, output_len: int,
+                   gpu_memory_utilization: float) -> dict:
+        """LLM(...) of a row: the model in the kind's dtype, no tokenizer, no prefix caching, vLLM's default
+        compilation and CUDA graphs; a subclass adds the quantization."""
+        return dict(model=model_dir, dtype=self.dtype, skip_tokenizer_init=True, seed=0,
+                    max_model_len=input_len + output_len + 8, gpu_memory_utilization=gpu_memory_utilization,
+                    enable_prefix_caching=False)
+
+    def child_facts(self, method: str) -> dict:
+        """What the child's row says that no log line does."""
+        return {}
+
+    # ---- hooks: the results
+
+    @abc.abstractmethod
+    def add_ratios(self, rows: list[dict]) -> str:
+        """Adds the ratio columns' values to the rows (add_row_ratios); returns the sentences after the timing's: what
+        the ratios are against, what the kernel and weights columns say."""
+
+    @abc.abstractmethod
+    def intro(self, rows: list[dict], model: dict) -> str:
+        """The Markdown's first paragraph: what ran."""
+
+    @abc.abstractmethod
+    def plot_title(self, model: dict) -> str:
+        """The plot's title, before its "(<layers> layers): <requests>"."""
+
+    def kernel_label(self, kernel: str) -> str:
+        """A kernel's name under its bar."""
+        return kernel
+
+    def summary_path(self, args: argparse.Namespace, stem: Path) -> Path | None:
+        """A shorter results file written beside the results (write_summary); None: none."""
+        return None
+
+    def write_summary(self, path: Path, rows: list[dict]) -> None:
+        """Writes summary_path's file, after every row."""
+        raise NotImplementedError(f"{self.name} writes no summary")
+
+    # ---- the command line
+
+    def methods(self, text: str) -> list[str]:
+        """--methods as canonical labels (<method>[:<variant>]), in order, each once."""
+        out = []
+        for spec in filter(None, (s.strip() for s in text.split(","))):
+            method, variant = self.parse_method(spec)
+            name = f"{method}:{variant}" if variant else method
+            if name not in out:
+                out.append(name)
+        if not out:
+            raise ValueError("--methods names no method")
+        return out
+
+    def arguments(self, argv: list[str] | None) -> argparse.Namespace:
+        ap = parser(self.name, sys.modules[type(self).__module__].__doc__)
+        self.add_arguments(ap)
+        args = ap.parse_args(argv)
+        for key, value in self.defaults(args).items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        try:
+            args.method_list = self.methods(args.methods)
+        except ValueError as e:
+            ap.error(str(e))
+        check_row_arguments(ap, args)
+        self.check_arguments(ap, args)
+        return args
+
+    def result_paths(self, args: argparse.Namespace, gpu: str | None = None) -> tuple[Path, Path]:
+        """(the results' path without extension, the children's log folder): rows_result_paths."""
+        return rows_result_paths(self.name, args, gpu, self.model_name(args))
+
+    # ---- the child: one engine, one row
+
+    def child_command(self, spec: str, model_dir: str | Path, args: argparse.Namespace) -> list[str]:
+        """The process measuring one row: python -m benchmarks.<name> <the requests> <its model> --child <row>."""
+        return module_command(self.name, *row_child_arguments(args), *self.child_arguments(args, model_dir),
+                              "--child", spec)
+
+    def engine(self, spec: str, model_dir: str, prompts: int, input_len: int, output_len: int,
+               gpu_memory_utilization: float, seed: int = 0) -> dict:
+        """Runs inside a fresh process: one engine, throughput and batch-1 decode latency (time_requests)."""
+        method, variant = self.parse_method(spec)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.prepare_child(method, variant, config)
+        from vllm import LLM
+
+        llm = LLM(**self.llm_kwargs(method, variant, model_dir, input_len, output_len, gpu_memory_utilization))
+        row = dict(self.identity(spec), **engine_facts(llm), **self.child_facts(method))
+        row.update(time_requests(llm, config["vocab_size"], prompts, input_len, output_len, seed))
+        return row
+
+    # ---- the parent: the children and their logs
+
+    def log_facts(self, text: str) -> dict:
+        """What a child's log says: log_facts with the kind's kernel patterns."""
+        return log_facts(text, self.kernel_patterns)
+
+    def measure(self, spec: str, cmd: list[str], log: Path, timeout: float | None, command: str) -> dict:
+        """A row in its process (environment): the child's measurements with what its log names, or the error that
+        stopped it."""
+        with self.environment(*self.parse_method(spec)) as env:
+            return measure_row(cmd, log, timeout, command, self.identity(spec), self.tag, self.kernel_patterns, env)
+
+    # ---- results
+
+    def order(self, row: dict) -> int:
+        labels = self.order_labels
+        return labels.index(row.get("label")) if row.get("label") in labels else len(labels)
+
+    def markdown(self, rows: list[dict], model: dict, settings: dict) -> str:
+        notes = self.add_ratios(rows)
+        versus, key = self.versus
+        columns = [
+            ("method", lambda r: r["method"]),
+            self.variant_column,
+            ("kernel", kernel_cell),
+            ("output tok/s", lambda r: fmt(r.get("output_tok_s"), ",.0f")),
+            (f"vs {versus}", lambda r: ratio_cell(r, f"output_tok_s_vs_{key}")),
+            ("batch-1 decode ms/token", lambda r: fmt(r.get("decode_latency_ms"), ".2f")),
+            (f"decode speed vs {versus}", lambda r: ratio_cell(r, f"decode_speed_vs_{key}")),
+            ("CUDA graphs", lambda r: (r.get("cudagraph_mode") or "").lower()),
+            ("KV cache tokens", lambda r: fmt(r.get("kv_cache_tokens"), ",")),
+            ("weights GiB", lambda r: fmt(r.get("weights_gib"), ".2f")),
+        ]
+        return (self.intro(rows, model) + "\n\n" + markdown_table(rows, columns) + "\n\n" + timing_text(settings)
+                + notes + f"\n\nMeasured by:\n{measured_by(rows)}\n")
+
+    def plot(self, path: Path, rows: list[dict], title: str) -> None:
+        rows_plot(path, rows, title, ours=lambda r: r["method"] == self.ours, kernel_label=self.kernel_label)
+
+    def write(self, rows: list[dict], stem: Path, model: dict, settings: dict, meta: dict | None = None) -> None:
+        """stem.json ({"meta", "rows"}: rows with method, its variant, kernel, output_tok_s, decode_latency_ms, the
+        ratios, ...), stem.md (the table, failed rows with their error), stem.png (bars)."""
+        meta = meta or provenance(command_line(self.name, []))
+        text = self.markdown(rows, model, settings)  # adds the ratios to the rows
+        write_json(with_ext(stem, ".json"), dict(meta=dict(model=model, **self.meta_extra, **settings), rows=rows),
+                   meta)
+        write_markdown(with_ext(stem, ".md"), text, meta)
+        self.plot(with_ext(stem, ".png"), rows, f"{self.plot_title(model)} ({model['num_hidden_layers']} layers): "
+                  f"{settings['prompts']} x {settings['input_len']} in / {settings['output_len']} out")
+        print(text, flush=True)
+
+    # ---- main
+
+    def main(self, argv: list[str] | None = None) -> None:
+        args = self.arguments(argv)
+        if args.child:
+            emit_row(self.tag, self.engine(args.child, str(self.child_model_dir(args)), args.prompts, args.input_len,
+                                           args.output_len, args.gpu_memory_utilization, args.seed))
+            return
+        model = self.model(args)
+        settings = self.settings(args)
+        stem, logs = self.result_paths(args)
+        summary_to = self.summary_path(args, stem)
+        command = command_line(self.name, argv)
+        meta = provenance(command)
+        # --merge: keep the other methods' rows of an earlier call
+        rows = merged_rows(with_ext(stem, ".json"), args.method_list) if args.merge else []
+
+        def write_rows(rows: list[dict]) -> None:
+            self.write(rows, stem, model, settings, meta)
+            if summary_to:
+                self.write_summary(summary_to, rows)
+
+        with self.model_dirs(args, model) as model_dir:
+            run_rows(args.method_list, rows, logs,
+                     lambda spec, log: self.measure(spec, self.child_command(spec, model_dir(spec), args), log,
+                                                    args.timeout, command),
+                     write_rows, self.order)
+        print(f"wrote {stem}.json / .md / .png" + (f", {summary_to}" if summary_to else ""), flush=True)

@@ -65,16 +65,17 @@ path's folder of its name with --out), <row>.log each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 from . import common
 
-NAME = "weights"
 METHODS = "bf16,fp8,quartet2"
 # rows in this order, others after
 ORDER = ("bf16", "fp8", "quartet2", "quartet2:marlin", "quartet2:emulate", "modelopt_fp4")
@@ -83,7 +84,6 @@ OURS = "quartet2"
 MODELOPT = "modelopt_fp4"  # vLLM's NVFP4 checkpoint method: its rows load NVFP4 parameters (modelopt_quant_config)
 PATH_ENV = "TURBOQUANT_QUARTET2_PATH"  # quant.quartet2.method.PATH_ENV (not imported: the parent stays torch-free)
 PATHS = ("auto", "marlin", "emulate")
-TAG = "WEIGHTS_ROW"
 MODEL = dict(common.LLAMA3_8B, torch_dtype="bfloat16")
 BF16_KERNEL = "UnquantizedLinearMethod (bf16 matmul)"
 
@@ -158,57 +158,10 @@ def parse_method(spec: str) -> tuple[str, str | None]:
     return method, (None if path == "auto" else path)
 
 
-def label(method: str, path: str | None) -> str:
-    return f"{method}:{path}" if path else method
-
-
-def methods(text: str) -> list[str]:
-    """--methods as canonical labels, in order, each once."""
-    out = []
-    for spec in filter(None, (s.strip() for s in text.split(","))):
-        name = label(*parse_method(spec))
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError("--methods names no method")
-    return out
-
-
-def result_paths(args: argparse.Namespace, gpu: str | None = None) -> tuple[Path, Path]:
-    """(the results' path without extension, the children's log folder): the headline benchmarks/results/weights
-    for the default configuration, benchmarks/results/weights/<gpu>-<what> otherwise; --out overrides both."""
-    return common.rows_result_paths(NAME, args, gpu, args.model)
-
-
-def summary_path(args: argparse.Namespace, stem: Path) -> Path | None:
-    """Where cloverlm-4b's summary goes: benchmarks/results/quartet2.json, <stem>-quartet2.json with --out; None for
-    llama3-8b (no summary)."""
-    if args.model != CLOVERLM:
-        return None
-    return common.with_ext(stem, "-quartet2.json") if args.out else SUMMARY
-
-
-def llm_kwargs(method: str, model_dir: str, input_len: int, output_len: int, gpu_memory_utilization: float) -> dict:
-    """LLM(...) of a row: the config's shape with dummy bf16 weights, quantized as the row says (bf16: not at all),
-    no tokenizer, no prefix caching, vLLM's default compilation and CUDA graphs."""
-    kwargs = dict(model=model_dir, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-                  max_model_len=input_len + output_len + 8, gpu_memory_utilization=gpu_memory_utilization,
-                  enable_prefix_caching=False)
-    if method != BF16:
-        kwargs["quantization"] = method
-    return kwargs
-
-
 def row_env(method: str, path: str | None) -> dict:
     """What a row's process adds to the environment: quartet2's path (auto unless the row names one, so a path set
     in the caller's environment never leaks into the plain row)."""
     return {PATH_ENV: path or "auto"} if method == OURS else {}
-
-
-def child_command(spec: str, model_dir: str | Path, args: argparse.Namespace) -> list[str]:
-    """The process measuring one row: python -m benchmarks.weights ... --model-dir <dir> --child <row>."""
-    return common.module_command(NAME, *common.row_child_arguments(args), "--model", args.model,
-                                 "--model-dir", str(model_dir), "--child", spec)
 
 
 def write_model(model: dict, folder: Path, quant_config: dict | None = None) -> Path:
@@ -232,30 +185,6 @@ def row_model_dir(spec: str, model: dict, root: Path) -> Path:
     return folder if folder.exists() else write_model(model, folder)
 
 
-# ---- the child: one engine, one row ------------------------------------------------------------
-
-def engine(spec: str, model_dir: str, prompts: int, input_len: int, output_len: int, gpu_memory_utilization: float,
-           seed: int = 0) -> dict:
-    """Runs inside a fresh process: one engine, throughput and batch-1 decode latency (common.time_requests)."""
-    method, path = parse_method(spec)
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    check_architecture(config["architectures"][0])
-    if method == OURS:  # the entry point registers it once installed; a source tree may lack the entry point
-        os.environ.update(row_env(method, path))  # the parent sets it too; this keeps a child run by hand right
-        from turboquant_vllm.quant.quartet2.method import register
-
-        register()
-    from vllm import LLM
-
-    llm = LLM(**llm_kwargs(method, model_dir, input_len, output_len, gpu_memory_utilization))
-    row = dict(method=method, path=path or ("auto" if method == OURS else None), label=spec,
-               **common.engine_facts(llm))
-    if method == BF16:
-        row["kernel"] = BF16_KERNEL  # no log line names it
-    row.update(common.time_requests(llm, config["vocab_size"], prompts, input_len, output_len, seed))
-    return row
-
-
 def check_architecture(arch: str) -> None:
     """Stops the child with a clear error where vLLM does not know the config's architecture, after loading vLLM's
     plugins as LLM(...) would (this package's entry point registers CloverLMForCausalLM)."""
@@ -269,84 +198,7 @@ def check_architecture(arch: str) -> None:
                            f"install this package, e.g. pip install -e ., at a version that registers it)")
 
 
-# ---- the parent: the children and their logs ---------------------------------------------------
-
-KERNEL_PATTERNS = (
-    (re.compile(r"quartet2: NVFP4 path marlin\b"), "Marlin FP4 W4A16 (quartet2 marlin)"),
-    (re.compile(r"quartet2: NVFP4 path emulate\b"), "W4A4 emulation (quartet2 emulate)"),
-    (re.compile(r"Selected (\w+) for Fp8\w*LinearMethod"), "{0}"),
-    (re.compile(r"Using (\w+) for NVFP4 GEMM"), "{0}"),  # modelopt_fp4's kernel
-)
-
-
-def log_facts(text: str) -> dict:
-    """What a child's log says: the kernel its linear layers run, the weights' and KV cache's GiB, the last error."""
-    return common.log_facts(text, KERNEL_PATTERNS)
-
-
-def measure(spec: str, cmd: list[str], log: Path, timeout: float | None, command: str) -> dict:
-    """A row in its process (quartet2's path and a fresh VLLM_CACHE_ROOT in its environment): the child's
-    measurements with what its log names, or the error that stopped it."""
-    method, path = parse_method(spec)
-    cache = Path(tempfile.mkdtemp(prefix="turboquant-weights-vllm-cache-"))
-    try:
-        env = common.child_env(dict(os.environ, VLLM_CACHE_ROOT=str(cache), **row_env(method, path)))
-        return common.measure_row(cmd, log, timeout, command,
-                                   dict(method=method, path=path or ("auto" if method == OURS else None), label=spec),
-                                   TAG, KERNEL_PATTERNS, env)
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-
-
-# ---- results -----------------------------------------------------------------------------------
-
-ok = common.row_ok
-
-
-def order(row: dict) -> int:
-    return ORDER.index(row.get("label")) if row.get("label") in ORDER else len(ORDER)
-
-
-def add_ratios(rows: list[dict]) -> dict | None:
-    """Each row against the bf16 row: output_tok_s_vs_bf16 (its tok/s / bf16's) and decode_speed_vs_bf16 (bf16's
-    batch-1 decode latency / its own): > 1 is faster. Returns the bf16 row (None where it failed or is absent)."""
-    ref = next((r for r in rows if r.get("label") == BF16 and ok(r)), None)
-    common.add_row_ratios(rows, ref, ref if ref and ref.get("decode_latency_ms") else None, "bf16")
-    return ref
-
-
-def markdown(rows: list[dict], model: dict, settings: dict) -> str:
-    ref = add_ratios(rows)
-    fmt, ratio = common.fmt, common.ratio_cell
-    columns = [
-        ("method", lambda r: r["method"]),
-        ("quartet2 path", lambda r: r.get("path") or ""),
-        ("kernel", common.kernel_cell),
-        ("output tok/s", lambda r: fmt(r.get("output_tok_s"), ",.0f")),
-        ("vs bf16", lambda r: ratio(r, "output_tok_s_vs_bf16")),
-        ("batch-1 decode ms/token", lambda r: fmt(r.get("decode_latency_ms"), ".2f")),
-        ("decode speed vs bf16", lambda r: ratio(r, "decode_speed_vs_bf16")),
-        ("CUDA graphs", lambda r: (r.get("cudagraph_mode") or "").lower()),
-        ("KV cache tokens", lambda r: fmt(r.get("kv_cache_tokens"), ",")),
-        ("weights GiB", lambda r: fmt(r.get("weights_gib"), ".2f")),
-    ]
-    return (f"Weight quantization in vLLM end to end vs bf16 weights, {model_title(model)} shape: "
-            f"{common.shape_text(model)}; vLLM's dummy weights (random bf16), quantized after loading"
-            + ("; modelopt_fp4: random NVFP4 parameters loaded as they are" if any(
-                r.get("method") == MODELOPT for r in rows) else "") + ".\n\n"
-            + common.markdown_table(rows, columns)
-            + "\n\n" + common.timing_text(settings) + " Ratios: against the bf16 row, > 1 faster"
-            + ("" if ref else " (no bf16 row measured: no ratios)") + ". Kernel: the one the engine's log names "
-            "(bf16: no log line; quartet2 marlin: NVFP4 weights through vLLM's Marlin FP4 kernel, bf16 activations). "
-            "Weights GiB: the engine's \"Model loading took\" (embeddings and LM head bf16 in every row)."
-            + f"\n\nMeasured by:\n{common.measured_by(rows)}\n")
-
-
-def plot(path: Path, rows: list[dict], title: str) -> None:
-    common.rows_plot(path, rows, title, ours=lambda r: r["method"] == OURS,
-                     kernel_label=lambda k: (k.replace("LinearKernel", "").replace("LinearMethod ", "\n")
-                                             .replace("ScaledMM", "\nScaledMM").replace(" (quartet2 ", "\n(")))
-
+# ---- cloverlm-4b's summary ---------------------------------------------------------------------
 
 def summary_row_path(row: dict) -> str:
     """A row's "path" in the summary: quartet2's path (marlin, emulate; "quartet2" for auto), else its label."""
@@ -357,82 +209,139 @@ def summary(rows: list[dict]) -> dict:
     """cloverlm-4b's summary, issue 25's schema: {"rows": [{"path", "decode_latency_ms", "output_tok_s",
     "weight_gib"}]}, the measured rows in order (failed rows left out)."""
     return {"rows": [dict(path=summary_row_path(r), decode_latency_ms=r["decode_latency_ms"],
-                          output_tok_s=r["output_tok_s"], weight_gib=r.get("weights_gib")) for r in rows if ok(r)]}
+                          output_tok_s=r["output_tok_s"], weight_gib=r.get("weights_gib"))
+                     for r in rows if common.row_ok(r)]}
 
 
-def write_summary(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary(rows), indent=1) + "\n")
+# ---- the rows: what common.WeightRows runs -----------------------------------------------------
+
+class Weights(common.WeightRows):
+    name, tag = "weights", "WEIGHTS_ROW"
+    kernel_patterns = (
+        (re.compile(r"quartet2: NVFP4 path marlin\b"), "Marlin FP4 W4A16 (quartet2 marlin)"),
+        (re.compile(r"quartet2: NVFP4 path emulate\b"), "W4A4 emulation (quartet2 emulate)"),
+        (re.compile(r"Selected (\w+) for Fp8\w*LinearMethod"), "{0}"),
+        (re.compile(r"Using (\w+) for NVFP4 GEMM"), "{0}"),  # modelopt_fp4's kernel
+    )
+    order_labels = ORDER
+    ours = OURS
+    dtype = "bfloat16"
+    meta_extra = dict(load_format="dummy")
+    variant_column = ("quartet2 path", lambda r: r.get("path") or "")
+    versus = ("bf16", "bf16")
+    parse_method = staticmethod(parse_method)
+
+    def identity(self, spec: str) -> dict:
+        method, path = parse_method(spec)
+        return dict(method=method, path=path or ("auto" if method == OURS else None), label=spec)
+
+    def add_arguments(self, ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--model", choices=list(MODELS), default=LLAMA,
+                        help="the model's shape (default: %(default)s); it sets the defaults of --methods, --prompts, "
+                        "--input-len, --output-len, --layers: " + "; ".join(
+                            f"{name}: {d['methods']}, {d['prompts']} x {d['input_len']} in / {d['output_len']} out, "
+                            f"{d['layers']} layers" for name, d in MODELS.items()))
+        ap.add_argument("--methods", help="bf16, fp8 (or another vLLM method), quartet2[:auto|marlin|emulate], "
+                        "modelopt_fp4, comma-separated (default: the --model's)")
+        common.add_row_arguments(ap, self.name, layers_help="decoder layers of the model's shape (default: all of "
+                                 "them)")
+        ap.set_defaults(prompts=None, input_len=None, output_len=None, layers=None)  # the --model's (defaults)
+        ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)  # the child's: the parent's config.json
+
+    def defaults(self, args: argparse.Namespace) -> dict:
+        """The --model's (MODELS)."""
+        return {key: MODELS[args.model][key] for key in ("methods", "prompts", "input_len", "output_len", "layers")}
+
+    def check_arguments(self, ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+        if args.child and not args.model_dir:
+            ap.error("--child needs --model-dir")
+
+    def model(self, args: argparse.Namespace) -> dict:
+        return model_config(args.layers, args.input_len, args.output_len, args.model)
+
+    def model_name(self, args: argparse.Namespace) -> str:
+        return args.model
+
+    def settings(self, args: argparse.Namespace) -> dict:
+        return dict(super().settings(args), model_name=args.model)
+
+    @contextlib.contextmanager
+    def model_dirs(self, args: argparse.Namespace, model: dict) -> Iterator[Callable[[str], Path]]:
+        """The rows' model folders (row_model_dir), in a temporary folder while they run."""
+        with tempfile.TemporaryDirectory(prefix="turboquant-weights-model-") as folder:
+            yield lambda spec: row_model_dir(spec, model, Path(folder))
+
+    def child_arguments(self, args: argparse.Namespace, model_dir: str | Path) -> list[str]:
+        return ["--model", args.model, "--model-dir", str(model_dir)]
+
+    def child_model_dir(self, args: argparse.Namespace) -> Path:
+        return args.model_dir
+
+    @contextlib.contextmanager
+    def environment(self, method: str, variant: str | None) -> Iterator[dict]:
+        """quartet2's path (row_env) and a fresh VLLM_CACHE_ROOT, removed after the row."""
+        cache = Path(tempfile.mkdtemp(prefix="turboquant-weights-vllm-cache-"))
+        try:
+            yield common.child_env(dict(os.environ, VLLM_CACHE_ROOT=str(cache), **row_env(method, variant)))
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def prepare_child(self, method: str, variant: str | None, config: dict) -> None:
+        check_architecture(config["architectures"][0])
+        if method == OURS:  # the entry point registers it once installed; a source tree may lack the entry point
+            os.environ.update(row_env(method, variant))  # the parent sets it too; this keeps a child run by hand right
+            from turboquant_vllm.quant.quartet2.method import register
+
+            register()
+
+    def llm_kwargs(self, method: str, variant: str | None, model_dir: str, input_len: int, output_len: int,
+                   gpu_memory_utilization: float) -> dict:
+        """The config's shape with dummy bf16 weights, quantized as the row says (bf16: not at all)."""
+        kwargs = dict(super().llm_kwargs(method, variant, model_dir, input_len, output_len, gpu_memory_utilization),
+                      load_format="dummy")
+        if method != BF16:
+            kwargs["quantization"] = method
+        return kwargs
+
+    def child_facts(self, method: str) -> dict:
+        return {"kernel": BF16_KERNEL} if method == BF16 else {}  # no log line names bf16's
+
+    def add_ratios(self, rows: list[dict]) -> str:
+        """Each row against the bf16 row: output_tok_s_vs_bf16 (its tok/s / bf16's) and decode_speed_vs_bf16 (bf16's
+        batch-1 decode latency / its own): > 1 is faster; none where bf16 failed or is absent."""
+        ref = next((r for r in rows if r.get("label") == BF16 and common.row_ok(r)), None)
+        common.add_row_ratios(rows, ref, ref if ref and ref.get("decode_latency_ms") else None, "bf16")
+        return (" Ratios: against the bf16 row, > 1 faster" + ("" if ref else " (no bf16 row measured: no ratios)")
+                + ". Kernel: the one the engine's log names (bf16: no log line; quartet2 marlin: NVFP4 weights "
+                "through vLLM's Marlin FP4 kernel, bf16 activations). Weights GiB: the engine's \"Model loading took\" "
+                "(embeddings and LM head bf16 in every row).")
+
+    def intro(self, rows: list[dict], model: dict) -> str:
+        return (f"Weight quantization in vLLM end to end vs bf16 weights, {model_title(model)} shape: "
+                f"{common.shape_text(model)}; vLLM's dummy weights (random bf16), quantized after loading"
+                + ("; modelopt_fp4: random NVFP4 parameters loaded as they are" if any(
+                    r.get("method") == MODELOPT for r in rows) else "") + ".")
+
+    def plot_title(self, model: dict) -> str:
+        return f"Weight quantization in vLLM vs bf16, {model_title(model)} shape"
+
+    def kernel_label(self, kernel: str) -> str:
+        return (kernel.replace("LinearKernel", "").replace("LinearMethod ", "\n").replace("ScaledMM", "\nScaledMM")
+                .replace(" (quartet2 ", "\n("))
+
+    def summary_path(self, args: argparse.Namespace, stem: Path) -> Path | None:
+        """cloverlm-4b's: benchmarks/results/quartet2.json, <stem>-quartet2.json with --out; llama3-8b: none."""
+        if args.model != CLOVERLM:
+            return None
+        return common.with_ext(stem, "-quartet2.json") if args.out else SUMMARY
+
+    def write_summary(self, path: Path, rows: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary(rows), indent=1) + "\n")
 
 
-def write(rows: list[dict], stem: Path, model: dict, settings: dict, provenance: dict | None = None) -> None:
-    """stem.json ({"meta", "rows"}: rows with method, path, kernel, output_tok_s, decode_latency_ms, the ratios vs
-    bf16, ...), stem.md (the table, failed rows with their error), stem.png (bars)."""
-    provenance = provenance or common.provenance(common.command_line(NAME, []))
-    text = markdown(rows, model, settings)  # adds the ratios to the rows
-    common.write_json(common.with_ext(stem, ".json"), dict(meta=dict(model=model, load_format="dummy", **settings),
-                                                           rows=rows), provenance)
-    common.write_markdown(common.with_ext(stem, ".md"), text, provenance)
-    plot(common.with_ext(stem, ".png"), rows, f"Weight quantization in vLLM vs bf16, {model_title(model)} shape "
-         f"({model['num_hidden_layers']} layers): {settings['prompts']} x {settings['input_len']} in / "
-         f"{settings['output_len']} out")
-    print(text, flush=True)
-
-
-# ---- the command line --------------------------------------------------------------------------
-
-def arguments(argv: list[str] | None) -> argparse.Namespace:
-    ap = common.parser(NAME, __doc__)
-    ap.add_argument("--model", choices=list(MODELS), default=LLAMA,
-                    help="the model's shape (default: %(default)s); it sets the defaults of --methods, --prompts, "
-                    "--input-len, --output-len, --layers: " + "; ".join(
-                        f"{name}: {d['methods']}, {d['prompts']} x {d['input_len']} in / {d['output_len']} out, "
-                        f"{d['layers']} layers" for name, d in MODELS.items()))
-    ap.add_argument("--methods", help="bf16, fp8 (or another vLLM method), quartet2[:auto|marlin|emulate], "
-                    "modelopt_fp4, comma-separated (default: the --model's)")
-    common.add_row_arguments(ap, NAME, layers_help="decoder layers of the model's shape (default: all of them)")
-    ap.set_defaults(prompts=None, input_len=None, output_len=None, layers=None)  # the --model's (MODELS)
-    ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)  # the child's: the parent's config.json
-    args = ap.parse_args(argv)
-    for key in ("methods", "prompts", "input_len", "output_len", "layers"):
-        if getattr(args, key) is None:
-            setattr(args, key, MODELS[args.model][key])
-    try:
-        args.method_list = methods(args.methods)
-    except ValueError as e:
-        ap.error(str(e))
-    common.check_row_arguments(ap, args)
-    if args.child and not args.model_dir:
-        ap.error("--child needs --model-dir")
-    return args
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = arguments(argv)
-    if args.child:
-        common.emit_row(TAG, engine(args.child, str(args.model_dir), args.prompts, args.input_len, args.output_len,
-                                     args.gpu_memory_utilization, args.seed))
-        return
-    model = model_config(args.layers, args.input_len, args.output_len, args.model)
-    settings = dict(common.row_settings(args), model_name=args.model)
-    stem, logs = result_paths(args)
-    summary_to = summary_path(args, stem)
-    command = common.command_line(NAME, argv)
-    provenance = common.provenance(command)
-    # --merge: keep the other methods' rows of an earlier call
-    rows = common.merged_rows(common.with_ext(stem, ".json"), args.method_list) if args.merge else []
-    def write_rows(rows: list[dict]) -> None:
-        write(rows, stem, model, settings, provenance)
-        if summary_to:
-            write_summary(summary_to, rows)
-
-    with tempfile.TemporaryDirectory(prefix="turboquant-weights-model-") as folder:
-        common.run_rows(
-            args.method_list, rows, logs,
-            lambda spec, log: measure(spec, child_command(spec, row_model_dir(spec, model, Path(folder)), args), log,
-                                      args.timeout, command),
-            write_rows, order)
-    print(f"wrote {stem}.json / .md / .png" + (f", {summary_to}" if summary_to else ""), flush=True)
+BENCH = Weights()
+main = BENCH.main
 
 
 if __name__ == "__main__":

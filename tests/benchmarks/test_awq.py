@@ -9,15 +9,15 @@ from benchmarks import awq, common
 
 
 def test_arguments_defaults():
-    args = awq.arguments([])
+    args = awq.BENCH.arguments([])
     assert args.method_list == ["awq_marlin", "awq_marlin:marlin", "awq_marlin:machete", "awq:triton", "awq_turbomind"]
     assert (args.prompts, args.input_len, args.output_len, args.layers) == (1000, 1024, 128, 32)
     assert args.gpu_memory_utilization == 0.85 and not args.merge and args.out is None and args.timeout == 0
-    assert awq.is_default(args) and not awq.is_default(awq.arguments(["--layers", "8"]))
+    assert common.is_default_rows(args) and not common.is_default_rows(awq.BENCH.arguments(["--layers", "8"]))
 
 
 def test_methods_are_canonical_and_checked():
-    assert awq.methods(" awq_marlin:Machete, awq_marlin:auto,awq_marlin,awq_turbomind,awq:linear-x ") == [
+    assert awq.BENCH.methods(" awq_marlin:Machete, awq_marlin:auto,awq_marlin,awq_turbomind,awq:linear-x ") == [
         "awq_marlin:machete", "awq_marlin", "awq_turbomind", "awq:linear_x"]
     assert awq.parse_method("awq_marlin") == ("awq_marlin", None)
     assert awq.parse_method("awq:triton") == ("awq", "triton")
@@ -25,24 +25,25 @@ def test_methods_are_canonical_and_checked():
         awq.parse_method("awq_turbomind:marlin")  # ours has no --linear-backend
     for bad in (["--methods", "awq_turbomind:machete"], ["--methods", ","], ["--output-len", "1"]):
         with pytest.raises(SystemExit):
-            awq.arguments(bad)
+            awq.BENCH.arguments(bad)
 
 
 def test_child_commands_per_method(tmp_path):
-    args = awq.arguments(["--prompts", "200", "--input-len", "512", "--output-len", "64", "--layers", "4",
-                          "--gpu-memory-utilization", "0.8", "--timeout", "300", "--merge"])
+    args = awq.BENCH.arguments(["--prompts", "200", "--input-len", "512", "--output-len", "64", "--layers", "4",
+                                "--gpu-memory-utilization", "0.8", "--timeout", "300", "--merge"])
     for spec in args.method_list:
-        cmd = awq.child_command(spec, tmp_path, args)
+        cmd = awq.BENCH.child_command(spec, tmp_path, args)
         assert cmd[:3] == [sys.executable, "-m", "benchmarks.awq"]
         assert cmd[-4:] == ["--checkpoint", str(tmp_path), "--child", spec]
-        child = awq.arguments(cmd[3:])  # the child reads back what the parent measures
+        child = awq.BENCH.arguments(cmd[3:])  # the child reads back what the parent measures
         assert (child.child, child.checkpoint, child.prompts, child.input_len, child.output_len, child.layers,
                 child.gpu_memory_utilization) == (spec, tmp_path, 200, 512, 64, 4, 0.8)
         assert not child.merge and child.out is None  # parent-only options stay with the parent
 
 
 def test_engine_arguments_per_method():
-    kw = {spec: awq.llm_kwargs(*awq.parse_method(spec), "/m", 1024, 128, 0.85) for spec in awq.methods(awq.METHODS)}
+    kw = {spec: awq.BENCH.llm_kwargs(*awq.parse_method(spec), "/m", 1024, 128, 0.85)
+          for spec in awq.BENCH.methods(awq.METHODS)}
     assert {s: (k["quantization"], k.get("linear_backend")) for s, k in kw.items()} == {
         "awq_marlin": ("awq_marlin", None), "awq_marlin:marlin": ("awq_marlin", "marlin"),
         "awq_marlin:machete": ("awq_marlin", "machete"), "awq:triton": ("awq", "triton"),
@@ -57,11 +58,11 @@ def test_engine_arguments_per_method():
 
 
 def test_result_paths(tmp_path):
-    stem, logs = awq.result_paths(awq.arguments([]), gpu="h100")
+    stem, logs = awq.BENCH.result_paths(awq.BENCH.arguments([]), gpu="h100")
     assert stem == common.RESULTS / "awq" and logs == common.RESULTS / "awq" / "h100-llama3-8b-32l-1000x1024-128"
-    stem, logs = awq.result_paths(awq.arguments(["--layers", "8", "--prompts", "100"]), gpu="h200")
+    stem, logs = awq.BENCH.result_paths(awq.BENCH.arguments(["--layers", "8", "--prompts", "100"]), gpu="h200")
     assert stem == logs == common.RESULTS / "awq" / "h200-llama3-8b-8l-100x1024-128"
-    stem, logs = awq.result_paths(awq.arguments(["--out", str(tmp_path / "run.json")]))
+    stem, logs = awq.BENCH.result_paths(awq.BENCH.arguments(["--out", str(tmp_path / "run.json")]))
     assert stem == logs == tmp_path / "run"
 
 
@@ -99,16 +100,16 @@ LOG = """INFO 11-26 02:00:00 [model.py:1] Resolved architecture: LlamaForCausalL
 
 
 def test_log_facts():
-    facts = awq.log_facts(LOG)
+    facts = awq.BENCH.log_facts(LOG)
     assert facts == dict(kernel="MacheteLinearKernel", weights_gib=5.44, kv_cache_gib=58.31, error=None)
-    tm = awq.log_facts("(EngineCore pid=1) INFO [method.py:150] awq_turbomind: AWQ int4, group 128, on the GEMM "
-                       "kernels of turbomind 0.0.2 (fp16; bf16 activations cast at each layer)\n")
+    tm = awq.BENCH.log_facts("(EngineCore pid=1) INFO [method.py:150] awq_turbomind: AWQ int4, group 128, on the GEMM "
+                             "kernels of turbomind 0.0.2 (fp16; bf16 activations cast at each layer)\n")
     assert tm["kernel"] == "turbomind 0.0.2" and tm["weights_gib"] is None
-    both = awq.log_facts(LOG + "WARNING Layer 'x' is not supported by AutoAWQMarlin. Falling back to unoptimized AWQ "
-                         "kernels.\nUsing MacheteLinearKernel for AutoAWQMarlinLinearMethod\n")
+    both = awq.BENCH.log_facts(LOG + "WARNING Layer 'x' is not supported by AutoAWQMarlin. Falling back to "
+                               "unoptimized AWQ kernels.\nUsing MacheteLinearKernel for AutoAWQMarlinLinearMethod\n")
     assert both["kernel"] == "MacheteLinearKernel + AutoAWQLinearMethod (Triton)"
-    failed = awq.log_facts(LOG + "Traceback (most recent call last):\nRuntimeError: engine core died\nValueError: "
-                           "--linear-backend=machete was requested but no 'machete' kernel exists\n")
+    failed = awq.BENCH.log_facts(LOG + "Traceback (most recent call last):\nRuntimeError: engine core died\n"
+                                 "ValueError: --linear-backend=machete was requested but no 'machete' kernel exists\n")
     assert failed["error"] == ("ValueError: --linear-backend=machete was requested but no 'machete' kernel exists")
 
 
@@ -122,18 +123,18 @@ def test_measure_a_row_a_failure_and_a_timeout(tmp_path):
     row = dict(method="awq_marlin", linear_backend="machete", label="awq_marlin:machete", output_tok_s=2000.0,
                decode_latency_ms=7.5, kv_cache_tokens=400000)
     ok = fake_child(tmp_path, f"import sys\nsys.stderr.write({LOG!r})\nprint('AWQ_ROW ' + {json.dumps(row)!r})\n")
-    got = awq.measure("awq_marlin:machete", ok, tmp_path / "logs" / "a.log", None, "cmd A")
+    got = awq.BENCH.measure("awq_marlin:machete", ok, tmp_path / "logs" / "a.log", None, "cmd A")
     assert got["output_tok_s"] == 2000.0 and got["kernel"] == "MacheteLinearKernel" and got["weights_gib"] == 5.44
     assert got["command"] == "cmd A" and not got.get("error")
     assert "Using MacheteLinearKernel" in (tmp_path / "logs" / "a.log").read_text()
 
     bad = fake_child(tmp_path, "raise ValueError('no kernel for this layer')\n")
-    got = awq.measure("awq:triton", bad, tmp_path / "b.log", None, "cmd B")
+    got = awq.BENCH.measure("awq:triton", bad, tmp_path / "b.log", None, "cmd B")
     assert (got["method"], got["linear_backend"], got["output_tok_s"]) == ("awq", "triton", None)
     assert got["error"] == "exit status 1: ValueError: no kernel for this layer"
 
     slow = fake_child(tmp_path, "import time\nprint('started', flush=True)\ntime.sleep(60)\n")
-    got = awq.measure("awq_turbomind", slow, tmp_path / "c.log", 1, "cmd C")
+    got = awq.BENCH.measure("awq_turbomind", slow, tmp_path / "c.log", 1, "cmd C")
     assert got["error"] == "timed out after 1 s" and got["linear_backend"] == "auto"
     assert "started" in (tmp_path / "c.log").read_text()
 
@@ -150,7 +151,7 @@ def test_write_ratios_failed_rows_and_plot(tmp_path):
                  command="run B")]
     settings = dict(prompts=1000, input_len=1024, output_len=128, gpu_memory_utilization=0.85, seed=0)
     meta = common.provenance("python -m benchmarks awq")
-    awq.write(rows, tmp_path / "awq", awq.model_config(), settings, meta)
+    awq.BENCH.write(rows, tmp_path / "awq", awq.model_config(), settings, meta)
     data = json.loads((tmp_path / "awq.json").read_text())
     assert data["meta"]["command"] == "python -m benchmarks awq" and data["meta"]["versions"]["torch"]
     assert data["meta"]["prompts"] == 1000 and data["meta"]["model"]["num_hidden_layers"] == 32
@@ -178,8 +179,8 @@ def test_write_ratios_failed_rows_and_plot(tmp_path):
 def test_all_rows_failed_still_writes(tmp_path):
     rows = [dict(method="awq_marlin", linear_backend="machete", label="awq_marlin:machete", kernel=None,
                  output_tok_s=None, decode_latency_ms=None, error="exit status 1: ValueError: x | y")]
-    awq.write(rows, tmp_path / "awq", awq.model_config(2), dict(prompts=10, input_len=64, output_len=8,
-                                                                gpu_memory_utilization=0.85, seed=0))
+    awq.BENCH.write(rows, tmp_path / "awq", awq.model_config(2), dict(prompts=10, input_len=64, output_len=8,
+                                                                      gpu_memory_utilization=0.85, seed=0))
     md = (tmp_path / "awq.md").read_text()
     assert "**failed**: exit status 1: ValueError: x \\| y" in md and "best vLLM throughput" not in md
     assert (tmp_path / "awq.png").exists()
@@ -199,7 +200,7 @@ def test_main_merges_rows_and_writes_after_each(tmp_path, monkeypatch):
         return dict(method=q, linear_backend=b or "auto", label=spec, kernel="k", output_tok_s=float(len(seen)),
                     decode_latency_ms=1.0, command=command)
 
-    monkeypatch.setattr(awq, "measure", fake_measure)
+    monkeypatch.setattr(awq.BENCH, "measure", fake_measure)
     awq.main(["--methods", "awq_turbomind,awq_marlin", "--out", str(out), "--timeout", "60"])
     assert seen == [("awq_turbomind", "awq_turbomind", "awq_turbomind.log", 60.0),
                     ("awq_marlin", "awq_marlin", "awq_marlin.log", 60.0)]

@@ -1,7 +1,10 @@
 """The benchmarks package: one runner lists every benchmark, each imports without a GPU, none edits sys.path."""
 
 import ast
+import contextlib
 import importlib
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +97,140 @@ def test_children_run_as_modules_from_anywhere(tmp_path):
     assert cmd[1:3] == ["-m", "benchmarks.e2e"]
     out = subprocess.run(cmd, cwd=tmp_path, env=common.child_env(), capture_output=True, text=True, check=True)
     assert "python -m benchmarks e2e" in out.stdout
+
+
+# ---- common.WeightRows: the runner awq and weights share, on a kind of rows of its own ----------------------------
+
+class ToyRows(common.WeightRows):
+    name, tag = "toy", "TOY_ROW"
+    kernel_patterns = ((re.compile(r"kernel (\w+)"), "{0}"),)
+    order_labels = ("base", "ours")
+    ours, dtype, meta_extra = "ours", "float16", dict(toy=True)
+    variant_column = ("variant", lambda r: r.get("variant") or "")
+    versus = ("the base", "base")
+
+    @staticmethod
+    def parse_method(spec):
+        method, _, variant = spec.strip().lower().partition(":")
+        if not method:
+            raise ValueError(f"empty method in {spec!r}")
+        return method, variant or None
+
+    def identity(self, spec):
+        method, variant = self.parse_method(spec)
+        return dict(method=method, variant=variant, label=spec)
+
+    def add_arguments(self, ap):
+        ap.add_argument("--methods", default="ours,base")
+        common.add_row_arguments(ap, self.name)
+        ap.add_argument("--model-dir", type=Path)
+
+    def model(self, args):
+        return common.llama3_8b(common.LLAMA3_8B, args.layers, args.input_len, args.output_len)
+
+    @contextlib.contextmanager
+    def model_dirs(self, args, model):
+        yield lambda spec: Path("/models") / spec
+
+    def child_arguments(self, args, model_dir):
+        return ["--model-dir", str(model_dir)]
+
+    def child_model_dir(self, args):
+        return args.model_dir
+
+    def prepare_child(self, method, variant, config):
+        self.prepared = (method, variant, config["vocab_size"])
+
+    def child_facts(self, method):
+        return {"kernel": "plain"} if method == "base" else {}
+
+    def add_ratios(self, rows):
+        ref = next((r for r in rows if r["label"] == "base" and common.row_ok(r)), None)
+        common.add_row_ratios(rows, ref, ref, "base")
+        return " Ratios: against the base row."
+
+    def intro(self, rows, model):
+        return "Toy rows."
+
+    def plot_title(self, model):
+        return "Toy rows"
+
+    def summary_path(self, args, stem):
+        return common.with_ext(stem, "-summary.json")
+
+    def write_summary(self, path, rows):
+        path.write_text(json.dumps([r["label"] for r in rows]))
+
+
+def test_rows_methods_arguments_and_child_command(capsys):
+    toy = ToyRows()
+    with pytest.raises(SystemExit):
+        toy.arguments(["--help"])
+    out = capsys.readouterr().out  # named as run, its module's docstring as the description
+    assert out.startswith("usage: python -m benchmarks toy") and __doc__ in out
+    assert toy.methods(" Ours, base:X ,ours,base:x") == ["ours", "base:x"]  # canonical, each once
+    with pytest.raises(ValueError, match="names no method"):
+        toy.methods(" , ")
+    with pytest.raises(SystemExit):
+        toy.arguments(["--methods", ","])
+    args = toy.arguments(["--layers", "2", "--prompts", "7", "--timeout", "9", "--merge", "--out", "x"])
+    cmd = toy.child_command("base:x", "/m", args)
+    assert cmd[1:3] == ["-m", "benchmarks.toy"] and cmd[-4:] == ["--model-dir", "/m", "--child", "base:x"]
+    child = toy.arguments(cmd[3:])  # the child reads back what the parent measures, not its own options
+    assert (child.child, child.model_dir, child.layers, child.prompts) == ("base:x", Path("/m"), 2, 7)
+    assert child.timeout == 0 and not child.merge and child.out is None
+    assert toy.result_paths(args)[0] == Path("x") and toy.settings(args)["prompts"] == 7
+
+
+def test_rows_engine_builds_the_row_in_the_child(tmp_path, monkeypatch):
+    import vllm
+
+    built = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw) or "llm")
+    monkeypatch.setattr(common, "engine_facts", lambda llm: dict(kv_cache_tokens=5))
+    monkeypatch.setattr(common, "time_requests", lambda llm, vocab, *rest: dict(vocab=vocab, rest=list(rest)))
+    (tmp_path / "config.json").write_text(json.dumps(dict(vocab_size=99)))
+    toy = ToyRows()
+    row = toy.engine("base:x", str(tmp_path), 10, 64, 8, 0.8, 3)
+    assert list(row) == ["method", "variant", "label", "kv_cache_tokens", "kernel", "vocab", "rest"]
+    assert (row["label"], row["kernel"], row["vocab"], row["rest"]) == ("base:x", "plain", 99, [10, 64, 8, 3])
+    assert toy.prepared == ("base", "x", 99)
+    assert built == [dict(model=str(tmp_path), dtype="float16", skip_tokenizer_init=True, seed=0, max_model_len=80,
+                          gpu_memory_utilization=0.8, enable_prefix_caching=False)]
+
+
+def test_rows_measure_reads_the_child_and_its_log(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text("import sys\nsys.stderr.write('kernel Fast\\nModel loading took 2.5 GiB\\n')\n"
+                      "print('TOY_ROW ' + '{\"label\": \"ours\", \"output_tok_s\": 3.0}')\n")
+    got = ToyRows().measure("ours", [sys.executable, str(script)], tmp_path / "ours.log", None, "cmd")
+    assert (got["output_tok_s"], got["kernel"], got["weights_gib"], got["command"]) == (3.0, "Fast", 2.5, "cmd")
+    script.write_text("raise SystemExit(3)\n")
+    got = ToyRows().measure("base:x", [sys.executable, str(script)], tmp_path / "b.log", None, "cmd")
+    assert (got["method"], got["variant"], got["error"]) == ("base", "x", "exit status 3")
+
+
+def test_rows_main_writes_results_and_summary_after_every_row(tmp_path, monkeypatch):
+    toy, out, seen = ToyRows(), tmp_path / "r", []
+
+    def fake_measure(spec, cmd, log, timeout, command):
+        seen.append((spec, cmd[cmd.index("--model-dir") + 1], log.name))
+        assert with_summary.exists() == (len(seen) > 1)  # written after every row
+        return dict(toy.identity(spec), kernel="k", output_tok_s=10.0 * len(seen), decode_latency_ms=1.0,
+                    command=command)
+
+    with_summary = tmp_path / "r-summary.json"
+    monkeypatch.setattr(toy, "measure", fake_measure)
+    toy.main(["--layers", "2", "--out", str(out)])
+    assert seen == [("ours", "/models/ours", "ours.log"), ("base", "/models/base", "base.log")]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["label"] for r in data["rows"]] == ["base", "ours"] and json.loads(with_summary.read_text()) == [
+        "base", "ours"]  # in order_labels' order
+    assert data["meta"]["toy"] and data["meta"]["model"]["num_hidden_layers"] == 2 and data["meta"]["prompts"] == 1000
+    assert data["rows"][1]["output_tok_s_vs_base"] == pytest.approx(0.5)
+    md = out.with_suffix(".md").read_text()
+    assert ("\n\nToy rows.\n\n| method | variant | kernel | output tok/s | vs the base | batch-1 decode ms/token | "
+            "decode speed vs the base | CUDA graphs | KV cache tokens | weights GiB |") in md
+    assert "| ours |  | k | 10 | 0.50x | 1.00 | 1.00x |" in md
+    assert "median of 3. Ratios: against the base row.\n\nMeasured by:\n- base, ours: `python -m benchmarks toy" in md
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -12,7 +12,7 @@ from benchmarks import common, weights
 
 
 def test_arguments_defaults():
-    args = weights.arguments([])
+    args = weights.BENCH.arguments([])
     assert args.method_list == ["bf16", "fp8", "quartet2"]
     assert (args.prompts, args.input_len, args.output_len, args.layers) == (1000, 1024, 128, 32)
     assert args.gpu_memory_utilization == 0.85 and not args.merge and args.out is None and args.timeout == 0
@@ -20,7 +20,7 @@ def test_arguments_defaults():
 
 
 def test_methods_are_canonical_and_checked():
-    assert weights.methods(" BF16, quartet2:auto ,quartet2, quartet2:Emulate,fp8,quartet2:marlin ") == [
+    assert weights.BENCH.methods(" BF16, quartet2:auto ,quartet2, quartet2:Emulate,fp8,quartet2:marlin ") == [
         "bf16", "quartet2", "quartet2:emulate", "fp8", "quartet2:marlin"]
     assert weights.parse_method("quartet2") == ("quartet2", None)
     assert weights.parse_method("quartet2:emulate") == ("quartet2", "emulate")
@@ -30,26 +30,27 @@ def test_methods_are_canonical_and_checked():
             weights.parse_method(bad)
     for bad in (["--methods", "quartet2:fast"], ["--methods", ","], ["--output-len", "1"], ["--child", "bf16"]):
         with pytest.raises(SystemExit):
-            weights.arguments(bad)
+            weights.BENCH.arguments(bad)
 
 
 def test_child_commands_per_method(tmp_path):
-    args = weights.arguments(["--methods", "bf16,fp8,quartet2,quartet2:emulate", "--prompts", "200", "--input-len",
-                              "512", "--output-len", "64", "--layers", "4", "--gpu-memory-utilization", "0.8",
-                              "--timeout", "300", "--merge", "--out", str(tmp_path / "r")])
+    args = weights.BENCH.arguments(["--methods", "bf16,fp8,quartet2,quartet2:emulate", "--prompts", "200",
+                                    "--input-len", "512", "--output-len", "64", "--layers", "4",
+                                    "--gpu-memory-utilization", "0.8", "--timeout", "300", "--merge",
+                                    "--out", str(tmp_path / "r")])
     for spec in args.method_list:
-        cmd = weights.child_command(spec, tmp_path, args)
+        cmd = weights.BENCH.child_command(spec, tmp_path, args)
         assert cmd[:3] == [sys.executable, "-m", "benchmarks.weights"]
         assert cmd[-4:] == ["--model-dir", str(tmp_path), "--child", spec]
-        child = weights.arguments(cmd[3:])  # the child reads back what the parent measures
+        child = weights.BENCH.arguments(cmd[3:])  # the child reads back what the parent measures
         assert (child.child, child.model_dir, child.prompts, child.input_len, child.output_len, child.layers,
                 child.gpu_memory_utilization) == (spec, tmp_path, 200, 512, 64, 4, 0.8)
         assert not child.merge and child.out is None and child.timeout == 0  # parent-only options stay there
 
 
 def test_engine_arguments_and_environment_per_method():
-    specs = weights.methods("bf16,fp8,quartet2,quartet2:emulate,quartet2:marlin")
-    kw = {spec: weights.llm_kwargs(weights.parse_method(spec)[0], "/m", 1024, 128, 0.85) for spec in specs}
+    specs = weights.BENCH.methods("bf16,fp8,quartet2,quartet2:emulate,quartet2:marlin")
+    kw = {spec: weights.BENCH.llm_kwargs(*weights.parse_method(spec), "/m", 1024, 128, 0.85) for spec in specs}
     assert {s: k.get("quantization") for s, k in kw.items()} == {
         "bf16": None, "fp8": "fp8", "quartet2": "quartet2", "quartet2:emulate": "quartet2",
         "quartet2:marlin": "quartet2"}
@@ -72,12 +73,12 @@ def test_engine_arguments_and_environment_per_method():
 
 
 def test_result_paths(tmp_path):
-    stem, logs = weights.result_paths(weights.arguments([]), gpu="h100")
+    stem, logs = weights.BENCH.result_paths(weights.BENCH.arguments([]), gpu="h100")
     assert stem == common.RESULTS / "weights"
     assert logs == common.RESULTS / "weights" / "h100-llama3-8b-32l-1000x1024-128"
-    stem, logs = weights.result_paths(weights.arguments(["--layers", "8", "--prompts", "100"]), gpu="h200")
+    stem, logs = weights.BENCH.result_paths(weights.BENCH.arguments(["--layers", "8", "--prompts", "100"]), gpu="h200")
     assert stem == logs == common.RESULTS / "weights" / "h200-llama3-8b-8l-100x1024-128"
-    stem, logs = weights.result_paths(weights.arguments(["--out", str(tmp_path / "run.md")]))
+    stem, logs = weights.BENCH.result_paths(weights.BENCH.arguments(["--out", str(tmp_path / "run.md")]))
     assert stem == logs == tmp_path / "run"
 
 
@@ -107,12 +108,12 @@ FP8 = ("(EngineCore pid=9) INFO 11-26 02:00:05 [__init__.py:640] Selected Cutlas
 
 
 def test_log_facts():
-    assert weights.log_facts(LOG) == dict(kernel=None, weights_gib=14.99, kv_cache_gib=50.12, error=None)
-    assert weights.log_facts(QUARTET2 + LOG)["kernel"] == "Marlin FP4 W4A16 (quartet2 marlin)"
-    assert weights.log_facts(QUARTET2.replace("path marlin", "path emulate") * 2)["kernel"] == (
+    assert weights.BENCH.log_facts(LOG) == dict(kernel=None, weights_gib=14.99, kv_cache_gib=50.12, error=None)
+    assert weights.BENCH.log_facts(QUARTET2 + LOG)["kernel"] == "Marlin FP4 W4A16 (quartet2 marlin)"
+    assert weights.BENCH.log_facts(QUARTET2.replace("path marlin", "path emulate") * 2)["kernel"] == (
         "W4A4 emulation (quartet2 emulate)")
-    assert weights.log_facts(FP8 + LOG)["kernel"] == "CutlassFP8ScaledMMLinearKernel"
-    failed = weights.log_facts(LOG + "ValueError: quartet2: vLLM's Marlin FP4 kernel does not run here\n")
+    assert weights.BENCH.log_facts(FP8 + LOG)["kernel"] == "CutlassFP8ScaledMMLinearKernel"
+    failed = weights.BENCH.log_facts(LOG + "ValueError: quartet2: vLLM's Marlin FP4 kernel does not run here\n")
     assert failed["error"] == "ValueError: quartet2: vLLM's Marlin FP4 kernel does not run here"
 
 
@@ -128,8 +129,8 @@ def test_measure_rows_their_environment_and_failures(tmp_path, monkeypatch):
             "print('WEIGHTS_ROW ' + json.dumps(dict({row}, env_path=os.environ.get('TURBOQUANT_QUARTET2_PATH'), "
             "cache=os.environ['VLLM_CACHE_ROOT'])))\n")
     row = dict(method="quartet2", path="auto", label="quartet2", output_tok_s=2000.0, decode_latency_ms=5.0)
-    got = weights.measure("quartet2", fake_child(tmp_path, code.format(log=QUARTET2 + LOG, row=row)),
-                          tmp_path / "logs" / "quartet2.log", None, "cmd A")
+    got = weights.BENCH.measure("quartet2", fake_child(tmp_path, code.format(log=QUARTET2 + LOG, row=row)),
+                                tmp_path / "logs" / "quartet2.log", None, "cmd A")
     assert got["output_tok_s"] == 2000.0 and got["kernel"] == "Marlin FP4 W4A16 (quartet2 marlin)"
     assert got["env_path"] == "auto" and got["weights_gib"] == 14.99 and got["command"] == "cmd A"
     assert not os.path.exists(got["cache"])  # a fresh compile cache per row, gone after it
@@ -137,17 +138,18 @@ def test_measure_rows_their_environment_and_failures(tmp_path, monkeypatch):
 
     row = dict(method="bf16", path=None, label="bf16", kernel=weights.BF16_KERNEL, output_tok_s=1000.0,
                decode_latency_ms=9.0)
-    got = weights.measure("bf16", fake_child(tmp_path, code.format(log=LOG, row=row)), tmp_path / "b.log", None, "B")
+    got = weights.BENCH.measure("bf16", fake_child(tmp_path, code.format(log=LOG, row=row)), tmp_path / "b.log", None,
+                                "B")
     assert got["kernel"] == weights.BF16_KERNEL and got["env_path"] == "emulate"  # bf16's env as the caller's
 
-    got = weights.measure("quartet2:emulate", fake_child(tmp_path, "raise ValueError('no path')\n"),
-                          tmp_path / "c.log", None, "C")
+    got = weights.BENCH.measure("quartet2:emulate", fake_child(tmp_path, "raise ValueError('no path')\n"),
+                                tmp_path / "c.log", None, "C")
     assert (got["method"], got["path"], got["label"], got["output_tok_s"]) == ("quartet2", "emulate",
                                                                               "quartet2:emulate", None)
     assert got["error"] == "exit status 1: ValueError: no path"
 
     slow = fake_child(tmp_path, "import time\nprint('started', flush=True)\ntime.sleep(60)\n")
-    got = weights.measure("fp8", slow, tmp_path / "d.log", 1, "D")
+    got = weights.BENCH.measure("fp8", slow, tmp_path / "d.log", 1, "D")
     assert got["error"] == "timed out after 1 s" and got["path"] is None
     assert "started" in (tmp_path / "d.log").read_text()
 
@@ -167,7 +169,7 @@ def test_write_ratios_vs_bf16_failed_rows_and_plot(tmp_path):
             dict(method="quartet2", path="emulate", label="quartet2:emulate", kernel=None, output_tok_s=None,
                  decode_latency_ms=None, error="timed out after 300 s", command="run B")]
     meta = common.provenance("python -m benchmarks weights")
-    weights.write(rows, tmp_path / "w", weights.model_config(), SETTINGS, meta)
+    weights.BENCH.write(rows, tmp_path / "w", weights.model_config(), SETTINGS, meta)
     data = json.loads((tmp_path / "w.json").read_text())
     assert data["meta"]["command"] == "python -m benchmarks weights" and data["meta"]["versions"]["torch"]
     assert data["meta"]["prompts"] == 1000 and data["meta"]["model"]["num_hidden_layers"] == 32
@@ -198,7 +200,7 @@ def test_without_bf16_no_ratios(tmp_path):
                  decode_latency_ms=None, error="exit status 1: RuntimeError: x | y"),
             dict(method="quartet2", path="auto", label="quartet2", kernel="k", output_tok_s=10.0,
                  decode_latency_ms=1.0)]
-    weights.write(rows, tmp_path / "w", weights.model_config(2), dict(SETTINGS, prompts=10))
+    weights.BENCH.write(rows, tmp_path / "w", weights.model_config(2), dict(SETTINGS, prompts=10))
     data = json.loads((tmp_path / "w.json").read_text())
     assert data["rows"][1]["output_tok_s_vs_bf16"] is None and data["rows"][1]["decode_speed_vs_bf16"] is None
     md = (tmp_path / "w.md").read_text()
@@ -221,7 +223,7 @@ def test_main_merges_rows_and_writes_after_each(tmp_path, monkeypatch):
         return dict(method=method, path=path, label=spec, kernel="k", output_tok_s=float(len(seen)),
                     decode_latency_ms=1.0, command=command)
 
-    monkeypatch.setattr(weights, "measure", fake_measure)
+    monkeypatch.setattr(weights.BENCH, "measure", fake_measure)
     weights.main(["--methods", "quartet2,bf16", "--layers", "2", "--out", str(out), "--timeout", "60"])
     assert seen == [("quartet2", "quartet2", "quartet2.log", 60.0, 2), ("bf16", "bf16", "bf16.log", 60.0, 2)]
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
@@ -239,24 +241,24 @@ def test_main_merges_rows_and_writes_after_each(tmp_path, monkeypatch):
 # ---- --model cloverlm-4b ----------------------------------------------------------------------------------------
 
 def test_arguments_per_model():
-    args = weights.arguments(["--model", "cloverlm-4b"])
+    args = weights.BENCH.arguments(["--model", "cloverlm-4b"])
     assert args.model == "cloverlm-4b"
     assert args.method_list == ["bf16", "quartet2:marlin", "quartet2:emulate", "modelopt_fp4"]
     assert (args.prompts, args.input_len, args.output_len, args.layers) == (64, 1024, 128, 29)  # all 29 blocks
-    args = weights.arguments(["--model", "cloverlm-4b", "--layers", "4", "--prompts", "8", "--methods", "bf16"])
+    args = weights.BENCH.arguments(["--model", "cloverlm-4b", "--layers", "4", "--prompts", "8", "--methods", "bf16"])
     assert (args.prompts, args.layers, args.method_list) == (8, 4, ["bf16"])
-    assert weights.arguments([]).model == "llama3-8b"
-    assert weights.arguments(["--layers", "4"]).prompts == 1000  # llama3-8b's defaults stay
+    assert weights.BENCH.arguments([]).model == "llama3-8b"
+    assert weights.BENCH.arguments(["--layers", "4"]).prompts == 1000  # llama3-8b's defaults stay
     for bad in (["--model", "llama3-70b"], ["--model", "cloverlm-4b", "--output-len", "1"]):
         with pytest.raises(SystemExit):
-            weights.arguments(bad)
+            weights.BENCH.arguments(bad)
 
 
 def test_cloverlm_child_command_reads_back(tmp_path):
-    args = weights.arguments(["--model", "cloverlm-4b", "--layers", "3", "--timeout", "130"])
-    cmd = weights.child_command("modelopt_fp4", tmp_path, args)
+    args = weights.BENCH.arguments(["--model", "cloverlm-4b", "--layers", "3", "--timeout", "130"])
+    cmd = weights.BENCH.child_command("modelopt_fp4", tmp_path, args)
     assert cmd[-6:] == ["--model", "cloverlm-4b", "--model-dir", str(tmp_path), "--child", "modelopt_fp4"]
-    child = weights.arguments(cmd[3:])
+    child = weights.BENCH.arguments(cmd[3:])
     assert (child.model, child.child, child.layers, child.prompts, child.input_len, child.output_len,
             child.timeout) == ("cloverlm-4b", "modelopt_fp4", 3, 64, 1024, 128, 0)
 
@@ -309,7 +311,8 @@ def test_row_model_folders(tmp_path):
     assert quant == {"producer": {"name": "modelopt"}, "quantization": {
         "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ["emb", "linear"]}}
     assert weights.modelopt_quant_config(weights.model_config())["quantization"]["exclude_modules"] == ["lm_head"]
-    assert weights.llm_kwargs("modelopt_fp4", str(nvfp4), 1024, 128, 0.85)["quantization"] == "modelopt_fp4"
+    assert weights.BENCH.llm_kwargs("modelopt_fp4", None, str(nvfp4), 1024, 128, 0.85)["quantization"] == (
+        "modelopt_fp4")
 
 
 def test_vllm_reads_the_row_folders(tmp_path):
@@ -323,8 +326,8 @@ def test_vllm_reads_the_row_folders(tmp_path):
 
     vllm_model.register()
     model = weights.model_config(2, 1024, 128, "cloverlm-4b")
-    kw = weights.llm_kwargs("modelopt_fp4", str(weights.row_model_dir("modelopt_fp4", model, tmp_path)), 1024, 128,
-                            0.85)
+    kw = weights.BENCH.llm_kwargs("modelopt_fp4", None, str(weights.row_model_dir("modelopt_fp4", model, tmp_path)),
+                                  1024, 128, 0.85)
     config = EngineArgs(**kw).create_model_config()
     assert config.quantization == "modelopt_fp4" and config.max_model_len == 1024 + 128 + 8
     quant = get_quant_config(config, LoadConfig(load_format="dummy"))
@@ -333,7 +336,7 @@ def test_vllm_reads_the_row_folders(tmp_path):
     assert quant.is_layer_excluded("transformer.emb") and quant.is_layer_excluded("transformer.linear")
     for layer in ("mhsa.qkv", "mhsa.lo", "mlp.l1", "mlp.l2"):
         assert not quant.is_layer_excluded(f"transformer.blocks.1.{layer}")
-    kw = weights.llm_kwargs("bf16", str(weights.row_model_dir("bf16", model, tmp_path)), 1024, 128, 0.85)
+    kw = weights.BENCH.llm_kwargs("bf16", None, str(weights.row_model_dir("bf16", model, tmp_path)), 1024, 128, 0.85)
     assert EngineArgs(**kw).create_model_config().quantization is None
 
 
@@ -344,16 +347,18 @@ def test_child_refuses_an_unknown_architecture():
 
 
 def test_cloverlm_result_paths(tmp_path):
-    args = weights.arguments(["--model", "cloverlm-4b"])
-    stem, logs = weights.result_paths(args, gpu="h100")
+    args = weights.BENCH.arguments(["--model", "cloverlm-4b"])
+    stem, logs = weights.BENCH.result_paths(args, gpu="h100")
     assert stem == logs == common.RESULTS / "weights" / "h100-cloverlm-4b-29l-64x1024-128"  # never the headline
-    assert weights.summary_path(args, stem) == common.RESULTS / "quartet2.json"
-    args = weights.arguments(["--model", "cloverlm-4b", "--out", str(tmp_path / "run.json")])
-    stem, logs = weights.result_paths(args)
-    assert stem == logs == tmp_path / "run" and weights.summary_path(args, stem) == tmp_path / "run-quartet2.json"
-    assert weights.summary_path(weights.arguments([]), common.RESULTS / "weights") is None  # llama3-8b: none
+    assert weights.BENCH.summary_path(args, stem) == common.RESULTS / "quartet2.json"
+    args = weights.BENCH.arguments(["--model", "cloverlm-4b", "--out", str(tmp_path / "run.json")])
+    stem, logs = weights.BENCH.result_paths(args)
+    assert stem == logs == tmp_path / "run"
+    assert weights.BENCH.summary_path(args, stem) == tmp_path / "run-quartet2.json"
+    llama = weights.BENCH.arguments([])
+    assert weights.BENCH.summary_path(llama, common.RESULTS / "weights") is None  # llama3-8b: none
     # llama3-8b's names as before
-    assert weights.result_paths(weights.arguments(["--layers", "8"]), gpu="h100")[0] == (
+    assert weights.BENCH.result_paths(weights.BENCH.arguments(["--layers", "8"]), gpu="h100")[0] == (
         common.RESULTS / "weights" / "h100-llama3-8b-8l-1000x1024-128")
 
 
@@ -362,7 +367,7 @@ MODELOPT_LOG = ("(EngineCore pid=9) INFO 11-26 02:00:05 [__init__.py:963] Using 
 
 
 def test_log_facts_modelopt_kernel():
-    assert weights.log_facts(MODELOPT_LOG + LOG)["kernel"] == "MarlinNvFp4LinearKernel"
+    assert weights.BENCH.log_facts(MODELOPT_LOG + LOG)["kernel"] == "MarlinNvFp4LinearKernel"
 
 
 def cloverlm_rows() -> list[dict]:
@@ -385,14 +390,15 @@ def test_summary_schema_from_rows(tmp_path):
         {"path": "marlin", "decode_latency_ms": 1.6, "output_tok_s": 4400.0, "weight_gib": 2.31},
         {"path": "modelopt_fp4", "decode_latency_ms": 1.7, "output_tok_s": 4300.0, "weight_gib": 2.30},
         {"path": "quartet2", "decode_latency_ms": 1.65, "output_tok_s": 4350.0, "weight_gib": 2.31}]}
-    weights.write_summary(tmp_path / "s" / "quartet2.json", cloverlm_rows())
+    weights.BENCH.write_summary(tmp_path / "s" / "quartet2.json", cloverlm_rows())
     assert json.loads((tmp_path / "s" / "quartet2.json").read_text()) == got
     assert weights.summary([]) == {"rows": []}
 
 
 def test_write_cloverlm_results(tmp_path):
     model = weights.model_config(29, 1024, 128, "cloverlm-4b")
-    weights.write(cloverlm_rows()[:4], tmp_path / "c", model, dict(SETTINGS, prompts=64, model_name="cloverlm-4b"))
+    weights.BENCH.write(cloverlm_rows()[:4], tmp_path / "c", model,
+                        dict(SETTINGS, prompts=64, model_name="cloverlm-4b"))
     data = json.loads((tmp_path / "c.json").read_text())
     assert data["meta"]["model"]["architectures"] == ["CloverLMForCausalLM"] and data["meta"]["prompts"] == 64
     got = {r["label"]: r for r in data["rows"]}
@@ -420,7 +426,7 @@ def test_main_cloverlm_writes_the_summary_after_each_row(tmp_path, monkeypatch):
         return dict(method=method, path=path, label=spec, kernel="k", output_tok_s=100.0 * len(seen),
                     decode_latency_ms=4.0 / len(seen), weights_gib=7.5 / len(seen), command=command)
 
-    monkeypatch.setattr(weights, "measure", fake_measure)
+    monkeypatch.setattr(weights.BENCH, "measure", fake_measure)
     weights.main(["--model", "cloverlm-4b", "--layers", "2", "--out", str(out), "--timeout", "130"])
     assert seen == [("bf16", "CloverLMForCausalLM", 2, False, "cloverlm-4b", 130.0),
                     ("quartet2:marlin", "CloverLMForCausalLM", 2, False, "cloverlm-4b", 130.0),
