@@ -70,3 +70,56 @@ def test_cloverlm_registers_from_the_entry_point_without_importing_the_model():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
     assert plugins.PLUGINS["cloverlm"] == "turboquant_vllm.models.cloverlm:register"
+
+
+def test_the_weight_methods_register_without_their_layers():
+    """vLLM runs the entry point in every process (the API server's too): registering imports neither vLLM's linear
+    layers nor the methods' layer modules (the torch op, the Triton kernels); `-q awq_turbomind` and `-q quartet2`
+    resolve to their config classes and answer override_quantization_method without them; building a config or a
+    layer imports them, the awq_turbomind op registered as the config is built (before any model is built or
+    compiled)."""
+    import json
+    import subprocess
+
+    probe = """
+import json, os, sys, types
+from turboquant_vllm import plugins
+plugins.register()
+HEAVY = ["vllm.model_executor.layers.linear", "turboquant_vllm.quant.awq_turbomind.method",
+         "turboquant_vllm.quant.quartet2.method", "turboquant_vllm.quant.quartet2.quantize"]
+loaded = lambda: [m for m in HEAVY if m in sys.modules]
+registered = loaded()
+from vllm.model_executor.layers.quantization import get_quantization_config
+awq, q2 = get_quantization_config("awq_turbomind"), get_quantization_config("quartet2")
+awq_cfg = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+clover = {"producer": {"name": "cloverlm_converter"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}
+out = {"classes": [awq.__name__, q2.__name__],
+       "claims": [awq.override_quantization_method(awq_cfg, "awq_turbomind"),
+                  q2.override_quantization_method(clover, None), q2.override_quantization_method(awq_cfg, None)],
+       "registered": registered, "resolved": loaded()}
+fake = types.ModuleType("turbomind")
+fake.Linear = type("Linear", (), {"clear_workspaces": staticmethod(lambda: None)})
+sys.modules["turbomind"] = fake
+import torch
+awq.from_config(awq_cfg)
+out["awq_built"] = [loaded(), hasattr(torch.ops.turboquant_vllm, "awq_turbomind_gemm")]
+os.environ["TURBOQUANT_QUARTET2_PATH"] = "emulate"
+config = q2.from_config({})
+from vllm.model_executor.layers.linear import ReplicatedLinear
+out["q2_layer"] = type(config.get_quant_method(object.__new__(ReplicatedLinear), "mlp")).__name__
+out["q2_built"] = loaded()
+print(json.dumps(out))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["classes"] == ["AWQTurboMindConfig", "Quartet2Config"]
+    assert out["claims"] == ["awq_turbomind", "quartet2", None]
+    assert out["registered"] == []
+    # vLLM's get_quantization_config imports its own configs, and with them its linear layers; ours stay unloaded
+    assert out["resolved"] == ["vllm.model_executor.layers.linear"]
+    assert out["awq_built"] == [["vllm.model_executor.layers.linear", "turboquant_vllm.quant.awq_turbomind.method"],
+                                True]
+    assert out["q2_layer"] == "Quartet2LinearMethod"
+    assert "turboquant_vllm.quant.quartet2.method" in out["q2_built"]
+    assert plugins.PLUGINS["quartet2"] == "turboquant_vllm.quant.quartet2.config:register"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from turboquant_vllm.quant.quartet2 import linear, marlin, method, nvfp4
+from turboquant_vllm.quant.quartet2 import config, linear, marlin, method, nvfp4
 
 
 def quantized(n, k, seed, scale=0.05):
@@ -117,7 +117,7 @@ def marlin_on_cpu(monkeypatch):
 
     monkeypatch.setattr(marlin_utils_fp4, "prepare_fp4_layer_for_marlin", prepare)
     monkeypatch.setattr(marlin_utils_fp4, "apply_fp4_marlin_linear", apply)
-    monkeypatch.setattr(method, "gpu", lambda: (90, True, False))
+    monkeypatch.setattr(config, "gpu", lambda: (90, True, False))
     monkeypatch.delenv(method.PATH_ENV, raising=False)
     return seen
 

@@ -1,12 +1,12 @@
-"""The vLLM method `quartet2` (quant.quartet2.method) on the CPU: its path choice and refusals, a linear layer
-created, loaded, quantized and applied as vLLM does it, equal to the emulation over the same weight (the marlin
-path: test_marlin.py and test_gpu_marlin.py)."""
+"""The vLLM method `quartet2` (quant.quartet2.config and .method) on the CPU: its path choice and refusals, a linear
+layer created, loaded, quantized and applied as vLLM does it, equal to the emulation over the same weight (the marlin
+path: test_marlin.py and test_gpu_marlin.py; w4a4: test_w4a4.py)."""
 
 import pytest
 import torch
 
 from tests.conftest import DEVICE
-from turboquant_vllm.quant.quartet2 import linear, method
+from turboquant_vllm.quant.quartet2 import config, linear, method
 
 
 @pytest.fixture
@@ -22,39 +22,39 @@ def test_the_path_is_chosen_or_refused_with_the_way_out(monkeypatch, caplog):
                            ((100, True, False), "marlin", "no CUTLASS NVFP4 GEMM"),
                            ((100, True, True), "w4a4", "FP4 tensor cores through vLLM's CUTLASS NVFP4 GEMM"),
                            ((120, False, True), "w4a4", "FP4 tensor cores through vLLM's CUTLASS NVFP4 GEMM")):
-        monkeypatch.setattr(method, "gpu", lambda g=gpu: g)
-        chosen, reason = method.choose_path()
+        monkeypatch.setattr(config, "gpu", lambda g=gpu: g)
+        chosen, reason = config.choose_path()
         assert chosen == path and reason.startswith(f"auto on sm{gpu[0]}") and why in reason, reason
-    monkeypatch.setattr(method, "gpu", lambda: (100, True, False))
-    with caplog.at_level("INFO", logger=method.logger.name):
+    monkeypatch.setattr(config, "gpu", lambda: (100, True, False))
+    with caplog.at_level("INFO", logger=config.logger.name):
         assert method.Quartet2Config().path == "marlin"
     assert "NVFP4 path marlin (auto on sm100" in caplog.text
     monkeypatch.setenv(method.PATH_ENV, "marlin")
-    assert method.choose_path()[0] == "marlin"
-    monkeypatch.setattr(method, "gpu", lambda: (100, True, True))
-    assert method.choose_path()[0] == "marlin"  # asked for, on Blackwell too
+    assert config.choose_path()[0] == "marlin"
+    monkeypatch.setattr(config, "gpu", lambda: (100, True, True))
+    assert config.choose_path()[0] == "marlin"  # asked for, on Blackwell too
     monkeypatch.setenv(method.PATH_ENV, "w4a4")
     caplog.clear()
-    with caplog.at_level("INFO", logger=method.logger.name):
+    with caplog.at_level("INFO", logger=config.logger.name):
         assert method.Quartet2Config().path == "w4a4"
     assert "NVFP4 path w4a4 (w4a4 on sm100: NVFP4 weights and activations (per row)" in caplog.text
     # w4a4 asked for where it cannot run: refused with the reason and the other paths
     for gpu, lack in (((90, True, False), "sm90: no FP4 tensor cores"),
                       ((100, True, False), "sm100: this vLLM build has no CUTLASS NVFP4 GEMM"),
                       ((None, False, False), "no CUDA GPU: no FP4 tensor cores")):
-        monkeypatch.setattr(method, "gpu", lambda g=gpu: g)
+        monkeypatch.setattr(config, "gpu", lambda g=gpu: g)
         with pytest.raises(ValueError, match=f"{method.PATH_ENV}=w4a4 cannot run here \\({lack}.*auto.*marlin.*"
                                              f"emulate"):
             method.Quartet2Config()
     # no Marlin FP4 here (no CUDA GPU, or vLLM without its kernels): auto and marlin refuse, naming the emulation
-    monkeypatch.setattr(method, "gpu", lambda: (None, False, False))
+    monkeypatch.setattr(config, "gpu", lambda: (None, False, False))
     for requested in ("auto", "marlin"):
         monkeypatch.setenv(method.PATH_ENV, requested)
         with pytest.raises(ValueError, match=f"no CUDA GPU.*{method.PATH_ENV}=emulate"):
             method.Quartet2Config()
     monkeypatch.setenv(method.PATH_ENV, "fast")
     with pytest.raises(ValueError, match="choose one of auto, w4a4, marlin, emulate"):
-        method.choose_path()
+        config.choose_path()
     monkeypatch.setenv(method.PATH_ENV, "emulate")
     assert method.Quartet2Config().path == "emulate"
 
@@ -62,7 +62,7 @@ def test_the_path_is_chosen_or_refused_with_the_way_out(monkeypatch, caplog):
 def test_without_a_cuda_gpu_auto_refuses(monkeypatch):
     """The real device probe (vLLM's platform and is_fp4_marlin_supported)."""
     monkeypatch.delenv(method.PATH_ENV, raising=False)
-    capability, marlin_ok, w4a4_ok = method.gpu()
+    capability, marlin_ok, w4a4_ok = config.gpu()
     if torch.cuda.is_available():
         assert capability == torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1]
         assert marlin_ok == (capability >= 75) and w4a4_ok == (capability >= 100)

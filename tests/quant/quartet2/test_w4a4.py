@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from turboquant_vllm.quant.quartet2 import checkpoint, linear, method, nvfp4, w4a4
+from turboquant_vllm.quant.quartet2 import checkpoint, config, linear, method, nvfp4, w4a4
 
 
 def tile_offset(r: torch.Tensor, g: torch.Tensor, padded_groups: int) -> torch.Tensor:
@@ -156,7 +156,7 @@ def test_available_needs_sm100_and_vllms_fp4_gemm(monkeypatch):
 
 @pytest.fixture
 def on_blackwell(monkeypatch, fake_kernel):
-    monkeypatch.setattr(method, "gpu", lambda: (100, True, True))
+    monkeypatch.setattr(config, "gpu", lambda: (100, True, True))
     monkeypatch.delenv(method.PATH_ENV, raising=False)
     return fake_kernel
 

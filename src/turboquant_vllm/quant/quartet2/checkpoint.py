@@ -14,10 +14,14 @@ them unreadable: such a checkpoint is refused).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import nvfp4
-from .linear import NVFP4Weight
+
+if TYPE_CHECKING:  # .linear imports Triton: the config module (every vLLM process) reads is_cloverlm_nvfp4 only
+    from .linear import NVFP4Weight
 
 TILE_ROWS = 128
 TILE_GROUPS = 4
@@ -58,6 +62,8 @@ def block_scales(scales: torch.Tensor) -> torch.Tensor:
 
 def read_weight(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> NVFP4Weight:
     """A weight's three checkpoint tensors -> NVFP4Weight (row-major scales), checked for shapes and dtypes."""
+    from .linear import NVFP4Weight
+
     rows, half = packed.shape
     if packed.dtype not in (torch.uint8, torch.float4_e2m1fn_x2):
         raise ValueError(f"NVFP4 codes must be float4_e2m1fn_x2 or uint8, got {packed.dtype}")
