@@ -20,8 +20,8 @@ CUDA graphs, gpu_memory_utilization 0.85. Rows (--methods):
 - fp8: vLLM's own online FP8 (`quantization="fp8"` on the bf16 weights: per-tensor FP8 weights, dynamic FP8
   activations; the kernel its log names, e.g. CutlassFP8ScaledMMLinearKernel on Hopper): the anchor;
 - quartet2: ours (`-q quartet2`), NVFP4 weights quantized in process_weights_after_loading, path auto (on Hopper
-  vLLM's Marlin FP4, W4A16); quartet2:<path> runs it under TURBOQUANT_QUARTET2_PATH=<path> (marlin, emulate:
-  the exact W4A4 emulation, a numerics path, slower than bf16; opt-in for llama3-8b);
+  vLLM's Marlin FP4, W4A16); quartet2:<path> runs it under TURBOQUANT_QUARTET2_PATH=<path> (w4a4: Blackwell's FP4
+  GEMM; marlin; emulate: the exact W4A4 emulation, a numerics path, slower than bf16; opt-in for llama3-8b);
 - modelopt_fp4: vLLM's own loading of NVFP4 weights (`quantization="modelopt_fp4"`, ModelOptNvFp4LinearMethod; on
   Hopper its kernel is MarlinNvFp4LinearKernel, W4A16, as quartet2's marlin path): the row's folder also holds an
   hf_quant_config.json as NVIDIA ModelOpt writes it (producer "modelopt", quant_algo NVFP4, group 16,
@@ -78,12 +78,12 @@ from . import common
 
 METHODS = "bf16,fp8,quartet2"
 # rows in this order, others after
-ORDER = ("bf16", "fp8", "quartet2", "quartet2:marlin", "quartet2:emulate", "modelopt_fp4")
+ORDER = ("bf16", "fp8", "quartet2", "quartet2:w4a4", "quartet2:marlin", "quartet2:emulate", "modelopt_fp4")
 BF16 = "bf16"
 OURS = "quartet2"
 MODELOPT = "modelopt_fp4"  # vLLM's NVFP4 checkpoint method: its rows load NVFP4 parameters (modelopt_quant_config)
 PATH_ENV = "TURBOQUANT_QUARTET2_PATH"  # quant.quartet2.method.PATH_ENV (not imported: the parent stays torch-free)
-PATHS = ("auto", "marlin", "emulate")
+PATHS = ("auto", "w4a4", "marlin", "emulate")
 MODEL = dict(common.LLAMA3_8B, torch_dtype="bfloat16")
 BF16_KERNEL = "UnquantizedLinearMethod (bf16 matmul)"
 

@@ -24,8 +24,9 @@ def test_methods_are_canonical_and_checked():
         "bf16", "quartet2", "quartet2:emulate", "fp8", "quartet2:marlin"]
     assert weights.parse_method("quartet2") == ("quartet2", None)
     assert weights.parse_method("quartet2:emulate") == ("quartet2", "emulate")
+    assert weights.parse_method("quartet2:w4a4") == ("quartet2", "w4a4")  # Blackwell
     assert weights.parse_method("fp8") == ("fp8", None)
-    for bad in ("fp8:marlin", "bf16:emulate", "quartet2:w4a4", "", "fp 8"):
+    for bad in ("fp8:marlin", "bf16:emulate", "quartet2:fp4", "", "fp 8"):
         with pytest.raises(ValueError):
             weights.parse_method(bad)
     for bad in (["--methods", "quartet2:fast"], ["--methods", ","], ["--output-len", "1"], ["--child", "bf16"]):
