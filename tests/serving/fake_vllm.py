@@ -5,7 +5,11 @@ One character is one token (id 100 + its code point), the chat template's specia
 writes words drawn from a generator seeded by the prompt's tokens (greedy), plus the request's seed and the choice's
 index when sampling (no seed: fresh randomness). It honours max_tokens, stop strings, n, logprobs / top_logprobs,
 return_token_ids, streaming with include_usage, and answers 4xx to what vLLM refuses: prompts over MAX_MODEL_LEN,
-malformed JSON or fields, an unknown model. /metrics counts the streams in flight (a closed client ends its stream).
+malformed JSON or fields, an unknown model. /metrics counts the streams in flight (a closed client ends its stream),
+the finished and aborted ones, and "preemptions": a stream that starts while the streams in flight hold more than
+kv_tokens tokens (prompt and answer tokens each; serve(..., kv_tokens=N)) counts one, as a KV cache of N tokens
+would preempt. write_tokenizer gives the model folder a real (character-level) Hugging Face tokenizer, for clients
+that load one (`vllm bench serve`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,24 @@ def write_model_dir(path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
     (path / "tokenizer.json").write_text(json.dumps(
         {"added_tokens": [{"id": i, "content": t, "special": True} for t, i in SPECIALS.items()]}))
+
+
+def write_tokenizer(path) -> None:
+    """write_model_dir's folder with a tokenizer transformers loads: one token a character (the printable ASCII ones;
+    others are [UNK]), the chat template's special tokens as ids 1 and 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    write_model_dir(path)
+    vocab = {"[UNK]": 0, **SPECIALS}
+    for code in range(32, 127):
+        vocab.setdefault(chr(code), len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "unk_token": "[UNK]",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
 def tokenize(text: str) -> list[int]:
@@ -62,18 +84,42 @@ class Invalid(Exception):
 
 
 class State:
-    def __init__(self, model: str):
+    def __init__(self, model: str, kv_tokens: int | None = None):
         self.model = model
+        self.kv_tokens = kv_tokens
         self.lock = threading.Lock()
         self.running = 0
         self.aborted = 0
+        self.finished = 0
+        self.tokens_in_flight = 0
+        self.preemptions = 0
+
+    def admit(self, tokens: int) -> None:
+        """A stream of `tokens` (prompt and answer) starts: past the KV budget, that is a preemption."""
+        with self.lock:
+            self.running += 1
+            self.tokens_in_flight += tokens
+            if self.kv_tokens is not None and self.tokens_in_flight > self.kv_tokens:
+                self.preemptions += 1
+
+    def release(self, tokens: int, aborted: bool) -> None:
+        with self.lock:
+            self.running -= 1
+            self.tokens_in_flight -= tokens
+            if aborted:
+                self.aborted += 1
+            else:
+                self.finished += 1
 
     def metrics(self) -> str:
         labels = f'engine="0",model_name="{self.model}"'
         return (f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{labels}}} {self.running * 0.01}\n"
                 f"vllm:num_requests_running{{{labels}}} {float(self.running)}\n"
                 f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
-                f'vllm:request_success_total{{{labels},finished_reason="abort"}} {float(self.aborted)}\n')
+                f"# TYPE vllm:num_preemptions_total counter\n"
+                f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}\n"
+                f'vllm:request_success_total{{{labels},finished_reason="abort"}} {float(self.aborted)}\n'
+                f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(self.finished)}\n')
 
 
 def sample(prompt_ids: list[int], max_tokens: int, temperature: float, seed: int | None, index: int) -> list[int]:
@@ -232,8 +278,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
             self.wfile.flush()
 
-        with self.state.lock:
-            self.state.running += 1
+        tokens = len(prompt_ids) + sum(len(c["ids"]) for c in choices)
+        self.state.admit(tokens)
+        aborted = False
         try:
             for c in choices:
                 for k, i in enumerate(c["ids"]):
@@ -248,16 +295,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
-            with self.state.lock:
-                self.state.aborted += 1
+            aborted = True
         finally:
-            with self.state.lock:
-                self.state.running -= 1
+            self.state.release(tokens, aborted)
 
 
-def serve(model: str) -> tuple[http.server.ThreadingHTTPServer, int]:
-    """A fake server for model on a free port of 127.0.0.1, serving from a daemon thread; (server, port)."""
-    handler = type("FakeHandler", (Handler,), {"state": State(model)})
+def serve(model: str, kv_tokens: int | None = None) -> tuple[http.server.ThreadingHTTPServer, int]:
+    """A fake server for model on a free port of 127.0.0.1, serving from a daemon thread; (server, port). kv_tokens:
+    the KV budget past which a starting stream counts a preemption (None: never)."""
+    handler = type("FakeHandler", (Handler,), {"state": State(model, kv_tokens)})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()

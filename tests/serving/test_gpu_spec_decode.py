@@ -1,0 +1,549 @@
+"""GPU: speculative decoding on the TurboQuant backend (--attention-backend CUSTOM) with CUDA graphs gives the tokens
+of non-speculative greedy decoding on the same backend; acceptance rate and speed-up reported (skipped without CUDA,
+or without the converted SmolLM2-135M-Instruct directory).
+
+For each KV cache (--kv, default tq4,tq3; bf16 = FLASH_ATTN, added as a control unless --no-control) one engine per
+process (LLM.generate, greedy, ignore_eos, no prefix caching, CUDA graphs: vLLM's default compilation, or with
+--quick decode graphs only, {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}):
+  - the reference, no speculation: the prompt groups timed, then again with logprobs=2 (each position's runner-up
+    and its margin to the greedy token);
+  - per method (--methods, default ngram, or ngram_gpu where numba is missing): the same with --speculative-config,
+    e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    (draft_model: the model drafts for itself; ngram_gpu: vLLM's GPU n-gram proposer).
+Prompts (text_prompts, from --data's real text): a "repetitive" group (a passage repeated, then restarted: drafts
+accept, and whole batches verify K + 1 tokens a request, which vLLM replays in FULL CUDA graphs), a "plain" group
+(passages continued as they are), each run as one batch; then the first --single repetitive prompts one at a time.
+
+Per method: identical outputs (prompt by prompt, whole token sequences); a divergence is "explained" when the
+speculative run took the reference's runner-up where the reference's margin was <= --near-tie nats (two kernels'
+rounding flipping a near tie, which FLASH_ATTN bf16 shows too), else "unexplained" (the failure); the acceptance rate
+(vllm:spec_decode_num_accepted_tokens_total / vllm:spec_decode_num_draft_tokens_total over the timed batches, from
+the engine's Prometheus registry, the text /metrics serves); speed-up = the reference's seconds / the speculative
+run's (batches; one at a time); the CUDA-graph steps vLLM logged (cudagraph_metrics): FULL-graph steps and those of
+>= DENSE_PREFILL_MIN_TOKENS tokens (our builder sends such verification batches to its dense-prefill path). An
+engine that does not start is recorded with its error (refused_at_startup), never skipped silently.
+
+On the GPU machine (the kit: source .gpukit/bin/env.sh; the model converted first):
+    python3 tests/serving/test_gpu_spec_decode.py --model DIR --data .gpukit/w2/data [--quick] [--kv tq4,tq3]
+    TURBOQUANT_SMOLLM2_DIR=DIR python3 -m pytest -m gpu tests/serving/test_gpu_spec_decode.py   # quick, tq4
+Writes benchmarks/results/serving/<gpu>-spec-decode.{json,md} (every comparison in full; entries of other KV caches
+and methods kept) and merges the summary into benchmarks/results/serving/soak.json's "spec_decode".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+try:
+    import pytest
+
+    pytestmark = pytest.mark.gpu
+except ImportError:  # the GPU image may lack pytest: run as a script
+    pytest = None
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script too: benchmarks.common, this tree's package
+
+from benchmarks import common  # noqa: E402
+from tests.serving import soak_summary, text_prompts  # noqa: E402
+from tests.serving import test_gpu_openai_server as srv  # noqa: E402
+
+TAG = "SPEC_ROW"
+READY = "SPEC_ENGINE_READY"
+KV = {"tq4": ("CUSTOM", "tq4"), "tq3": ("CUSTOM", "tq3"), "bf16": ("FLASH_ATTN", None)}
+CONTROL = "bf16"
+METHODS = ("ngram", "ngram_gpu", "draft_model")
+DENSE_PREFILL_MIN_TOKENS = 256  # turboquant_vllm.vllm.metadata's (a CPU test keeps the two equal)
+FAST_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+WARMUP_PROMPTS = 16
+DIVERGENCES_KEPT = 20
+FULL = dict(repetitive=128, plain=128, max_tokens=128, single=8)
+QUICK = dict(repetitive=100, plain=100, max_tokens=64, single=4)
+
+
+# ---- arguments ---------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.environ.get(srv.MODEL_ENV), help=f"the converted SmolLM2 dir "
+                                                                           f"(${srv.MODEL_ENV})")
+    ap.add_argument("--data", type=Path, default=text_prompts.default_data_dir(ROOT),
+                    help="the text folder (wikitext2-test.txt, paul_graham_essays/, books/); default: .gpukit/w2/data "
+                         "or ../shared/data")
+    ap.add_argument("--kv", default="tq4,tq3", help=f"KV caches, comma-separated, of {sorted(KV)}")
+    ap.add_argument("--methods", default="auto",
+                    help=f"speculative methods, comma-separated, of {list(METHODS)}; auto: ngram where numba (its "
+                         f"proposer's compiler) imports, else ngram_gpu")
+    ap.add_argument("--no-control", action="store_true", help=f"leave out the {CONTROL} (FLASH_ATTN) control")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"{QUICK['repetitive']} + {QUICK['plain']} prompts, {QUICK['max_tokens']} tokens, decode "
+                         f"CUDA graphs only (no torch.compile): ~6 minutes on an H100 for two presets and the control")
+    ap.add_argument("--repetitive", type=int, help=f"repetitive prompts (default {FULL['repetitive']})")
+    ap.add_argument("--plain", type=int, help=f"plain prompts (default {FULL['plain']})")
+    ap.add_argument("--max-tokens", type=int, help=f"tokens generated a prompt (default {FULL['max_tokens']})")
+    ap.add_argument("--single", type=int, help=f"repetitive prompts also run one at a time (default {FULL['single']})")
+    ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--prompt-lookup-max", type=int, default=5)
+    ap.add_argument("--fast-graphs", action="store_true", help=f"compilation_config {FAST_GRAPHS} (--quick's)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--near-tie", type=float, default=0.3,
+                    help="nats: a divergence at the reference's runner-up within this margin is explained")
+    ap.add_argument("--seed", type=int, default=0, help="of the prompt set")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds an engine's process may take")
+    ap.add_argument("--out", type=Path, help="the detailed results (default benchmarks/results/serving/"
+                                             "<gpu>-spec-decode.json; .md beside it)")
+    ap.add_argument("--summary", type=Path, help="the summary to merge into (default benchmarks/results/serving/"
+                                                 "soak.json)")
+    ap.add_argument("--logs", type=Path, help="the engines' logs and prompt files (default: a temporary folder)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return args
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.fast_graphs = args.fast_graphs or args.quick
+    args.kv_list = [k.strip() for k in args.kv.split(",") if k.strip()]
+    args.method_list = [auto_method() if m.strip() == "auto" else m.strip() for m in args.methods.split(",")
+                        if m.strip()]
+    bad = [k for k in args.kv_list if k not in KV] + [m for m in args.method_list if m not in METHODS]
+    if bad or not args.kv_list or not args.method_list:
+        ap.error(f"unknown or no --kv / --methods: {bad}; KV caches {sorted(KV)}, methods {list(METHODS)}")
+    if not args.no_control and CONTROL not in args.kv_list:
+        args.kv_list.append(CONTROL)
+    if args.repetitive < 1 or args.plain < 0 or args.max_tokens < 2 or args.single < 0:
+        ap.error("--repetitive >= 1, --plain >= 0, --max-tokens >= 2, --single >= 0")
+    if args.single > args.repetitive:
+        ap.error("--single must not exceed --repetitive (the single runs take the first repetitive prompts)")
+    if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max or args.num_speculative_tokens < 1:
+        ap.error("need 1 <= --prompt-lookup-min <= --prompt-lookup-max and --num-speculative-tokens >= 1")
+    return args
+
+
+def auto_method() -> str:
+    """vLLM's CPU n-gram proposer needs numba (a vLLM requirement the device kit may lack); its GPU one does not."""
+    import importlib.util
+
+    return "ngram" if importlib.util.find_spec("numba") is not None else "ngram_gpu"
+
+
+def speculative_config(method: str, args: argparse.Namespace) -> dict:
+    """--speculative-config of a method (vLLM 0.25's SpeculativeConfig fields)."""
+    if method in ("ngram", "ngram_gpu"):
+        return {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+                "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    if method == "draft_model":
+        return {"method": "draft_model", "model": args.model, "num_speculative_tokens": args.num_speculative_tokens}
+    raise ValueError(f"unknown method {method!r}")
+
+
+def case_spec(kv: str, method: str | None, args: argparse.Namespace, prompts_file: Path) -> dict:
+    """What one engine's process runs (its --child file)."""
+    backend, preset = KV[kv]
+    return dict(kv=kv, method=method, backend=backend, preset=preset, model=args.model,
+                spec=speculative_config(method, args) if method else None, prompts_file=str(prompts_file),
+                max_tokens=args.max_tokens, single=args.single, logprobs=method is None,
+                fast_graphs=args.fast_graphs, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def engine_kwargs(case: dict) -> dict:
+    """LLM(...) of a case: greedy-comparable (seeded, no prefix caching), stats on (the Prometheus registry fills),
+    CUDA-graph steps logged, the case's attention backend and speculative config."""
+    kw = dict(model=case["model"], seed=0, max_model_len=case["max_model_len"], max_num_seqs=case["max_num_seqs"],
+              gpu_memory_utilization=case["gpu_memory_utilization"], enable_prefix_caching=False,
+              disable_log_stats=False, cudagraph_metrics=True, attention_config={"backend": case["backend"]})
+    if case["spec"]:
+        kw["speculative_config"] = dict(case["spec"])
+    if case["fast_graphs"]:
+        kw["compilation_config"] = dict(FAST_GRAPHS)
+    return kw
+
+
+# ---- the engine's process ---------------------------------------------------------------------------------------
+
+def spec_counts(text: str) -> dict:
+    """vLLM's speculative-decoding counters in a /metrics text (summed over engines): drafts, draft tokens, accepted
+    tokens, accepted tokens by draft position."""
+    per_pos: dict[int, float] = {}
+    for name, labels, value in srv.parse_metrics(text):
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total" and "position" in labels:
+            pos = int(labels["position"])
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
+    return dict(drafts=soak_summary.counter(text, "vllm:spec_decode_num_drafts_total"),
+                draft_tokens=soak_summary.counter(text, "vllm:spec_decode_num_draft_tokens_total"),
+                accepted_tokens=soak_summary.counter(text, "vllm:spec_decode_num_accepted_tokens_total"),
+                accepted_per_pos=per_pos)
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    """The counters' change between two spec_counts, and the rates: accepted / drafted tokens, the mean acceptance
+    length (1 + accepted / drafts: the bonus token counted), each position's accepted / drafts."""
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    pos = {p: after["accepted_per_pos"].get(p, 0.0) - before["accepted_per_pos"].get(p, 0.0)
+           for p in sorted(after["accepted_per_pos"])}
+    d["acceptance_rate"] = d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else None
+    d["mean_acceptance_length"] = 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] else None
+    d["per_position_rate"] = [v / d["drafts"] for v in pos.values()] if d["drafts"] else []
+    return d
+
+
+def sum_acceptance(parts: list[dict]) -> dict:
+    """Acceptance over several timed runs (their counter changes added)."""
+    zero = dict(drafts=0.0, draft_tokens=0.0, accepted_tokens=0.0, accepted_per_pos={})
+    total = dict(zero)
+    for p in parts:
+        for k in ("drafts", "draft_tokens", "accepted_tokens"):
+            total[k] += p[k]
+    return acceptance(zero, total)
+
+
+def top_two(position: dict | None) -> tuple[int | None, float | None]:
+    """(the runner-up token, the greedy token's logprob margin over it) of one position's logprobs dict."""
+    if not position or len(position) < 2:
+        return None, None
+    (_, first), (second, runner) = sorted(position.items(), key=lambda kv: -kv[1].logprob)[:2]
+    return second, round(first.logprob - runner.logprob, 5)
+
+
+def prometheus_text() -> str:
+    """This process's Prometheus registry as /metrics would serve it (the engine front end's stat loggers)."""
+    import prometheus_client
+
+    return prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
+
+
+def run_engine(llm, case: dict, metrics_text=prometheus_text) -> dict:
+    """The case's runs on a built engine: warm-up, each prompt group timed as one batch (token ids and acceptance),
+    the single runs, and for the reference the logprobs pass (runner-ups and margins; its tokens must repeat the
+    timed pass's)."""
+    from vllm import SamplingParams
+
+    groups = json.loads(Path(case["prompts_file"]).read_text())
+
+    def params(max_tokens: int, logprobs: int | None = None):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
+                              detokenize=False)
+
+    def generate(prompts: list[str], max_tokens: int, logprobs: int | None = None):
+        return llm.generate(prompts, params(max_tokens, logprobs), use_tqdm=False)
+
+    texts = {name: [p["prompt"] for p in items] for name, items in groups.items()}
+    texts["single"] = texts["repetitive"][: case["single"]]
+    for name in ("repetitive", "plain"):  # first uses (kernel compiles, verification shapes) outside timed runs
+        if texts[name]:
+            generate(texts[name][:WARMUP_PROMPTS], min(16, case["max_tokens"]))
+
+    def run_group(name: str, logprobs: int | None = None):
+        if name == "single":  # one request at a time
+            return [generate([p], case["max_tokens"], logprobs)[0] for p in texts[name]]
+        return generate(texts[name], case["max_tokens"], logprobs)
+
+    out: dict = {"groups": {}}
+    for name, prompts in texts.items():
+        if not prompts:
+            continue
+        before = spec_counts(metrics_text())
+        start = time.perf_counter()
+        outs = run_group(name)
+        seconds = time.perf_counter() - start
+        out["groups"][name] = dict(seconds=seconds, tokens=[list(o.outputs[0].token_ids) for o in outs],
+                                   spec=acceptance(before, spec_counts(metrics_text())))
+    if case["logprobs"]:
+        for name, group in out["groups"].items():
+            outs = run_group(name, logprobs=2)
+            pairs = [[top_two(pos) for pos in (o.outputs[0].logprobs or [])] for o in outs]
+            group["runner_up"] = [[r for r, _ in p] for p in pairs]
+            group["margin"] = [[m for _, m in p] for p in pairs]
+            group["logprobs_pass_same_tokens"] = [list(o.outputs[0].token_ids) for o in outs] == group["tokens"]
+    return out
+
+
+def child_main(path: str) -> int:
+    """One engine's process: build it (READY marks a start), run the case, write its row beside the case file and
+    print where (TAG; the row's token lists would bury the log)."""
+    case = json.loads(Path(path).read_text())
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(case))
+    startup_s = time.perf_counter() - start
+    print(READY, flush=True)
+    row = dict(run_engine(llm, case), startup_s=startup_s, engine=common.engine_facts(llm))
+    config = llm.llm_engine.vllm_config
+    row["engine"]["speculative_config"] = str(config.speculative_config) if config.speculative_config else None
+    llm.llm_engine.do_log_stats()  # flush the last interval's CUDA-graph table into the log
+    common.emit_row(TAG, save_row(path, row))
+    return 0
+
+
+def save_row(case_path: str, row: dict) -> dict:
+    """The row written beside its case file; what the child prints instead of it."""
+    row_file = Path(f"{case_path}.row.json")
+    row_file.write_text(json.dumps(row))
+    return {"row_file": str(row_file)}
+
+
+# ---- the parent: engines, comparisons, results -------------------------------------------------------------------
+
+_CG_ROW = re.compile(r"\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(FULL|PIECEWISE|NONE)\s*\|\s*(\d+)\s*\|")
+
+
+def cudagraph_steps(log: str) -> dict:
+    """The steps vLLM's cudagraph_metrics tables (CUDAGraphLogging) logged, by runtime mode, and the FULL-graph steps
+    of >= DENSE_PREFILL_MIN_TOKENS (padded) tokens."""
+    by_mode: dict[str, int] = {}
+    dense_full = 0
+    for m in _CG_ROW.finditer(log):
+        padded, mode, count = int(m.group(2)), m.group(4), int(m.group(5))
+        by_mode[mode] = by_mode.get(mode, 0) + count
+        if mode == "FULL" and padded >= DENSE_PREFILL_MIN_TOKENS:
+            dense_full += count
+    return dict(by_mode=by_mode, full_steps_dense_size=dense_full)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where a and b differ (the shorter one's end when one is the other's prefix); None when
+    they are identical."""
+    if a == b:
+        return None
+    return srv.shared_prefix(a, b)
+
+
+def compare_outputs(reference: dict, speculative: dict, near_tie: float) -> dict:
+    """A speculative group's token ids against the reference's, prompt by prompt: identical, explained divergences
+    (the speculative token is the reference's runner-up, its margin <= near_tie), unexplained ones, the first
+    DIVERGENCES_KEPT divergences, and the shared-prefix agreement."""
+    ref, spec = reference["tokens"], speculative["tokens"]
+    if len(ref) != len(spec):
+        raise ValueError(f"{len(spec)} speculative outputs, {len(ref)} references")
+    runner, margin = reference.get("runner_up"), reference.get("margin")
+    divergences = []
+    for i, (a, b) in enumerate(zip(ref, spec)):
+        pos = first_divergence(a, b)
+        if pos is None:
+            continue
+        d = dict(prompt=i, position=pos, reference=a[pos] if pos < len(a) else None,
+                 speculative=b[pos] if pos < len(b) else None, runner_up=None, margin=None)
+        if runner is not None and pos < len(runner[i]):
+            d["runner_up"], d["margin"] = runner[i][pos], margin[i][pos]
+        d["explained"] = bool(d["speculative"] is not None and d["speculative"] == d["runner_up"]
+                              and d["margin"] is not None and d["margin"] <= near_tie)
+        divergences.append(d)
+    agree = srv.prefix_agreement(spec, ref)
+    explained = sum(d["explained"] for d in divergences)
+    return dict(prompts=len(ref), identical=len(ref) - len(divergences), explained=explained,
+                unexplained=len(divergences) - explained,
+                mean_shared_prefix_fraction=agree["mean_shared_prefix_fraction"],
+                divergences=divergences[:DIVERGENCES_KEPT])
+
+
+def error_lines(log: str, first: int = 3) -> list[str]:
+    """The distinct error lines of a log (common.LOG_ERROR's): the first few (a root cause, e.g. vLLM's refusal) and
+    the last (what ended the process, e.g. "Engine core initialization failed")."""
+    found = list(dict.fromkeys(m.group(0).strip()[:500] for m in map(common.LOG_ERROR.search, log.splitlines()) if m))
+    return found[:first] + ([found[-1]] if len(found) > first else [])
+
+
+def child_command(case_file: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--child", str(case_file)]
+
+
+def run_case(case: dict, log_dir: Path, timeout: float) -> dict:
+    """One engine's process: its row, or what stopped it (refused at startup or failed later) with the log's error."""
+    name = f"{case['kv']}-{case['method'] or 'reference'}"
+    case_file = log_dir / f"{name}.case.json"
+    case_file.write_text(json.dumps(case, indent=1))
+    env = srv.server_env(srv.plugin_site(log_dir), case["preset"])
+    start = time.perf_counter()
+    row, text, why = common.run_child(child_command(case_file), env, log_dir / f"{name}.log", timeout, TAG)
+    result = dict(kv=case["kv"], method=case["method"], seconds=round(time.perf_counter() - start, 1),
+                  log=str(log_dir / f"{name}.log"), cudagraph_steps=cudagraph_steps(text))
+    if row is None:
+        errors = error_lines(text)
+        return dict(result, error=f"{why}: {' | '.join(errors)}"[:2000] if errors else why,
+                    refused_at_startup=READY not in text)
+    if "row_file" in row:
+        row = json.loads(Path(row["row_file"]).read_text())
+    return dict(result, **row, error=None, refused_at_startup=False)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def evaluate(kv: str, method: str, reference: dict, speculative: dict, args: argparse.Namespace) -> dict:
+    """The comparison entry of a (KV cache, method): the summary keys first (soak.json's spec_decode), then detail."""
+    entry = dict(kv=kv, method=method, prompts=args.repetitive + args.plain, identical=None, acceptance_rate=None,
+                 explained_near_ties=None, unexplained=None, speedup_batch=None, speedup_single=None,
+                 num_speculative_tokens=args.num_speculative_tokens, full_graph_steps=None,
+                 full_graph_steps_dense_size=None, refused_at_startup=speculative.get("refused_at_startup", False),
+                 error=speculative.get("error") or (f"reference: {reference['error']}" if reference.get("error")
+                                                    else None))
+    if entry["error"]:
+        entry["passed"] = False
+        return entry
+    groups = {}
+    for name, ref in reference["groups"].items():
+        spec = speculative["groups"][name]
+        groups[name] = dict(compare_outputs(ref, spec, args.near_tie), reference_s=round(ref["seconds"], 3),
+                            speculative_s=round(spec["seconds"], 3), speedup=ratio(ref["seconds"], spec["seconds"]),
+                            acceptance=spec["spec"],
+                            reference_deterministic=ref.get("logprobs_pass_same_tokens"))
+    batch = [n for n in ("repetitive", "plain") if n in groups]
+    entry.update(
+        prompts=sum(groups[n]["prompts"] for n in batch),
+        identical=sum(groups[n]["identical"] for n in batch),
+        explained_near_ties=sum(groups[n]["explained"] for n in batch),
+        unexplained=sum(groups[n]["unexplained"] for n in batch),
+        acceptance_rate=sum_acceptance([speculative["groups"][n]["spec"] for n in batch])["acceptance_rate"],
+        speedup_batch=ratio(sum(reference["groups"][n]["seconds"] for n in batch),
+                            sum(speculative["groups"][n]["seconds"] for n in batch)),
+        speedup_single=groups["single"]["speedup"] if "single" in groups else None,
+        full_graph_steps=speculative["cudagraph_steps"]["by_mode"].get("FULL", 0),
+        full_graph_steps_dense_size=speculative["cudagraph_steps"]["full_steps_dense_size"],
+    )
+    if entry["acceptance_rate"] is not None:
+        entry["acceptance_rate"] = round(entry["acceptance_rate"], 4)
+    single_bad = groups["single"]["unexplained"] if "single" in groups else 0
+    entry["passed"] = entry["unexplained"] == 0 and single_bad == 0
+    entry["groups"] = groups
+    entry["engines"] = {"reference": reference.get("engine"), "speculative": speculative.get("engine")}
+    entry["startup_s"] = {"reference": reference.get("startup_s"), "speculative": speculative.get("startup_s")}
+    entry["speculative_config"] = speculative.get("engine", {}).get("speculative_config")
+    return entry
+
+
+SUMMARY_KEYS = ("kv", "method", "prompts", "identical", "acceptance_rate", "explained_near_ties", "unexplained",
+                "speedup_batch", "speedup_single", "num_speculative_tokens", "full_graph_steps",
+                "full_graph_steps_dense_size", "refused_at_startup", "error", "passed")
+
+
+def summary_entry(entry: dict, command: str) -> dict:
+    return dict({k: entry.get(k) for k in SUMMARY_KEYS}, command=command, gpu=entry.get("gpu"),
+                commit=entry.get("commit"))
+
+
+def markdown(entries: list[dict], settings: dict) -> str:
+    lines = ["# Speculative decoding: identical to greedy decoding on the same backend\n",
+             f"Prompts: {settings['repetitive']} repetitive + {settings['plain']} plain ({settings['data']}), "
+             f"{settings['max_tokens']} tokens each, greedy; {settings['single']} repetitive prompts also one at a "
+             f"time. Graphs: {settings['graphs']}. Explained: the speculative token is the reference's runner-up "
+             f"within {settings['near_tie']} nats.\n"]
+    cols = ["KV cache", "method", "prompts", "identical", "explained", "unexplained", "acceptance", "speed-up batch",
+            "speed-up 1-at-a-time", "FULL-graph steps (>= 256 tokens)", "result"]
+    lines += ["| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
+    for e in entries:
+        if e.get("error"):
+            what = "refused at startup" if e.get("refused_at_startup") else "failed"
+            err = str(e["error"]).replace("|", "\\|").replace("\n", " ")[:300]
+            lines.append(f"| {e['kv']} | {e['method']} | | | | | | | | | **{what}**: {err} |")
+            continue
+        acc = f"{e['acceptance_rate']:.1%}" if e.get("acceptance_rate") is not None else ""
+        lines.append(f"| {e['kv']} | {e['method']} | {e['prompts']} | {e['identical']} | {e['explained_near_ties']} | "
+                     f"{e['unexplained']} | {acc} | {common.fmt(e['speedup_batch'], '.2f')} | "
+                     f"{common.fmt(e['speedup_single'], '.2f')} | {e['full_graph_steps']} "
+                     f"({e['full_graph_steps_dense_size']}) | {'passed' if e['passed'] else '**FAILED**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def default_out() -> Path:
+    return common.with_ext(common.result_stem("serving", "spec-decode"), ".json")
+
+
+def merged_entries(path: Path, entries: list[dict]) -> list[dict]:
+    """The detailed results at path with entries in (an entry replaces the one of its kv and method)."""
+    old = json.loads(path.read_text()).get("entries", []) if path.exists() else []
+    doc = soak_summary.merge_summary({"spec_decode": old}, "spec_decode", entries)
+    return doc["spec_decode"]
+
+
+def run(args: argparse.Namespace, command: str) -> list[dict]:
+    """Every KV cache's reference and methods, the results written after each KV cache."""
+    import tempfile
+
+    log_dir = args.logs or Path(tempfile.mkdtemp(prefix="tq-spec-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    sources = text_prompts.read_sources(args.data)
+    groups = text_prompts.spec_prompt_set(sources, args.repetitive, args.plain, seed=args.seed)
+    prompts_file = log_dir / "prompts.json"
+    prompts_file.write_text(json.dumps(groups))
+    out = args.out or default_out()
+    summary = args.summary or soak_summary.summary_path()
+    settings = dict(repetitive=args.repetitive, plain=args.plain, max_tokens=args.max_tokens, single=args.single,
+                    data=str(args.data), near_tie=args.near_tie,
+                    graphs=f"compilation_config {FAST_GRAPHS}" if args.fast_graphs else "vLLM's default compilation",
+                    num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
+                    prompt_lookup_max=args.prompt_lookup_max, logs=str(log_dir))
+    meta = common.provenance(command)
+    done: list[dict] = []
+    for kv in args.kv_list:
+        reference = run_case(case_spec(kv, None, args, prompts_file), log_dir, args.timeout)
+        for method in args.method_list:
+            speculative = run_case(case_spec(kv, method, args, prompts_file), log_dir, args.timeout)
+            entry = evaluate(kv, method, reference, speculative, args)
+            entry.update(command=command, gpu=common.gpu_info()["name"], commit=common.git_commit())
+            done.append(entry)
+            print(json.dumps(summary_entry(entry, command)), flush=True)
+        entries = merged_entries(out, done)
+        common.write_json(out, dict(settings=settings, entries=entries), meta)
+        common.write_markdown(common.with_ext(common.stem_of(out), ".md"), markdown(entries, settings), meta)
+        soak_summary.write_summary(summary, "spec_decode", [summary_entry(e, command) for e in done], meta)
+    print(f"wrote {out} and {summary}")
+    return done
+
+
+def missing_model(model: str | None) -> str | None:
+    run_ = srv.Run()
+    run_.model = model or ""
+    return run_.missing_model()
+
+
+if pytest is not None:
+    def test_spec_decode_matches_greedy_quick(tmp_path):
+        """The quick identity check on tq4 (ngram, decode CUDA graphs), its control and its logs in tmp_path."""
+        why = missing_model(os.environ.get(srv.MODEL_ENV))
+        if why:
+            pytest.skip(why)
+        args = parse_args(["--quick", "--kv", "tq4", "--logs", str(tmp_path / "logs"),
+                           "--out", str(tmp_path / "spec-decode.json"), "--summary", str(tmp_path / "soak.json")])
+        if args.data is None:
+            pytest.skip("no text data (.gpukit/w2/data or ../shared/data)")
+        entries = run(args, "pytest tests/serving/test_gpu_spec_decode.py")
+        ours = [e for e in entries if e["kv"] != CONTROL]
+        assert ours, entries
+        for e in ours:  # a refusal at startup names its reason; a run gives greedy's tokens
+            assert e["passed"] or (e["refused_at_startup"] and e["error"]), (
+                summary_entry(e, ""), [summary_entry(c, "") for c in entries if c["kv"] == CONTROL])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args.child)
+    why = missing_model(args.model)
+    if why:
+        print(f"skipped: {why}", file=sys.stderr)
+        return 2
+    if args.data is None:
+        print("no text data: pass --data DIR", file=sys.stderr)
+        return 2
+    command = " ".join(["python tests/serving/test_gpu_spec_decode.py",
+                        *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+    entries = run(args, command)
+    return 0 if entries and all(e["passed"] for e in entries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
