@@ -111,3 +111,24 @@ def test_long_prefills_take_the_dense_path(builder, monkeypatch):
     assert (md.prefill_total_k, md.prefill_max_seq_len) == (n + 140, 140 if n < 140 else n)
     short = builder.build(0, make_cam([1, 5], [30, 5]))  # few prefill tokens: the paged kernel
     assert short.prefill_cu_seqlens_k is None
+
+
+def test_capturable_verification_batches_never_take_the_dense_path(vllm_config, bf16_default):
+    """With 3 speculative tokens vLLM captures whole batches of 4-token verifications: from 64 of them (256 tokens) they
+    would reach the dense path, whose host-side offsets a graph would replay stale; the paged kernel takes them."""
+    from vllm.config import SpeculativeConfig
+
+    from turboquant_vllm.vllm.metadata import DENSE_PREFILL_MIN_TOKENS
+
+    make_layers(vllm_config, 1)
+    vllm_config.speculative_config = SpeculativeConfig.__new__(SpeculativeConfig)  # only its token count is read
+    vllm_config.speculative_config.num_speculative_tokens = 3
+    builder = make_builder(vllm_config, ["model.layers.0.self_attn.attn"])
+    builder.dense_prefill = True  # as on a GPU where FlashAttention imports
+    assert builder.capturable_query_len == 4
+    n = DENSE_PREFILL_MIN_TOKENS // 4
+    verify = builder.build(0, make_cam([4] * n, [100 + i for i in range(n)]))
+    assert verify.num_prefill_tokens == 4 * n and verify.prefill_cu_seqlens_k is None
+    assert verify.prefill_query_start_loc is verify.query_start_loc  # persistent buffers only
+    chunk = builder.build(0, make_cam([DENSE_PREFILL_MIN_TOKENS], [DENSE_PREFILL_MIN_TOKENS + 10]))
+    assert chunk.prefill_cu_seqlens_k is not None  # a prefill chunk longer than a verification still does

@@ -4,7 +4,8 @@ Decodes (query length 1) come first in a batch (vLLM reorders it for us, thresho
 a split count from ops.attention.launch; the rest (prefills, chunked-prefill continuations, speculative-decode
 verifications) runs the general kernel, or, from DENSE_PREFILL_MIN_TOKENS prefill tokens, FlashAttention over the
 expanded context. Uniform batches may be captured whole in a CUDA graph: they only reference persistent buffers
-(query_start_loc, seq_lens, block table, the shared workspace) and their split count depends on the batch shape.
+(query_start_loc, seq_lens, block table, the shared workspace) and their split count depends on the batch shape;
+the dense path, which sizes itself from host-side lengths, never runs for a batch of that shape.
 The scratch is one fp32 buffer from vLLM's workspace manager, shared by every layer, reserved at its maximum when
 the first layer is built (before memory profiling and CUDA-graph capture).
 """
@@ -115,6 +116,10 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         self.num_sms = num_sms()
         # Decodes first; speculative verifications (query length > 1) go to the general kernel.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        # vLLM captures whole batches of this query length (1 + speculative tokens): such a batch must not take the
+        # dense path, whose context offsets and sizes come from the host and would replay stale from a graph.
+        spec = getattr(vllm_config, "speculative_config", None) if vllm_config is not None else None
+        self.capturable_query_len = 1 + (getattr(spec, "num_speculative_tokens", None) or 0)
         self.workspace_elems = reserve_workspace(vllm_config, self.num_q_heads, self.layout)
 
     @classmethod
@@ -157,8 +162,9 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
                 prefill_bt = block_table[num_decodes:num_reqs]
 
         dense = {}
-        if num_prefills and self.dense_prefill and num_prefill_tokens >= DENSE_PREFILL_MIN_TOKENS:
-            # Precise on prefill rows; prefill batches are never captured, so reading it is fine.
+        if (num_prefills and self.dense_prefill and num_prefill_tokens >= DENSE_PREFILL_MIN_TOKENS
+                and cam.max_query_len > self.capturable_query_len):
+            # Precise on prefill rows; a batch with a longer query than vLLM captures is never captured.
             lens_cpu = cam.seq_lens_cpu_upper_bound
             lens_cpu = (lens_cpu if lens_cpu is not None else seq_lens.cpu())[num_decodes:num_reqs]
             cu = torch.zeros(num_prefills + 1, dtype=torch.int32)
