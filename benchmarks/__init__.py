@@ -4,8 +4,9 @@
     python -m benchmarks <name> [args]    # runs one (as does python -m benchmarks.<name> [args])
 
 Each module has a main(argv=None); benchmarks.common holds what they share (result paths, the provenance every
-result file records, timing, plots). Results: benchmarks/results/<name>/<gpu>-<what>.<ext>, except the two headline
-summaries, benchmarks/results/e2e.{json,md,png} and benchmarks/results/quality.{json,md,png}.
+result file records, timing, plots), benchmarks.engine_rows the runner of those whose rows are whole vLLM engines
+(awq, weights). Results: benchmarks/results/<name>/<gpu>-<what>.<ext>, except the two headline summaries,
+benchmarks/results/e2e.{json,md,png} and benchmarks/results/quality.{json,md,png}.
 """
 
 # name -> one line: what it measures. Importing this package stays light (no torch): the runner lists these.

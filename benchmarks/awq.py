@@ -19,7 +19,7 @@ The kernel of each row is the one the engine's log names ("Using MacheteLinearKe
 latency = (time of one request generating --output-len tokens - time of the same request generating 1) /
 (--output-len - 1), the median of 3 pairs. Each row runs in its own process (vLLM engines do not tear down cleanly in
 one); a row that fails (or runs past --timeout) is written with its error, and the results are written after every row,
-so a cut-off run keeps what it measured (the machinery, shared with `weights`, is in benchmarks.common).
+so a cut-off run keeps what it measured (the machinery, shared with `weights`, is in benchmarks.engine_rows).
 
     python -m benchmarks awq [--methods awq_marlin,awq_marlin:marlin,awq_marlin:machete,awq:triton,awq_turbomind]
         [--prompts 1000] [--input-len 1024] [--output-len 128] [--layers 32] [--gpu-memory-utilization 0.85]
@@ -45,21 +45,21 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import common
+from . import engine_rows
 
 METHODS = "awq_marlin,awq_marlin:marlin,awq_marlin:machete,awq:triton,awq_turbomind"
 OURS = "awq_turbomind"
 GROUP = 128
 # Llama-3-8B's shape in fp16: AWQ's kernels and TurboMind's are fp16
-MODEL = dict(common.LLAMA3_8B, torch_dtype="float16")
+MODEL = dict(engine_rows.LLAMA3_8B, torch_dtype="float16")
 
 
 # ---- configuration -----------------------------------------------------------------------------
 
-def model_config(layers: int = common.ROW_LAYERS, input_len: int = common.ROW_INPUT_LEN,
-                 output_len: int = common.ROW_OUTPUT_LEN) -> dict:
+def model_config(layers: int = engine_rows.ROW_LAYERS, input_len: int = engine_rows.ROW_INPUT_LEN,
+                 output_len: int = engine_rows.ROW_OUTPUT_LEN) -> dict:
     """Llama-3-8B's shape with `layers` decoder layers, positions enough for the requests."""
-    return common.llama3_8b(MODEL, layers, input_len, output_len)
+    return engine_rows.llama3_8b(MODEL, layers, input_len, output_len)
 
 
 def parse_method(spec: str) -> tuple[str, str | None]:
@@ -103,9 +103,9 @@ def ensure_checkpoint(model: dict, path: Path) -> Path:
     return path
 
 
-# ---- the rows: what common.WeightRows runs -----------------------------------------------------
+# ---- the rows: what engine_rows.WeightRows runs ------------------------------------------------
 
-class Awq(common.WeightRows):
+class Awq(engine_rows.WeightRows):
     name, tag = "awq", "AWQ_ROW"
     kernel_patterns = (
         (re.compile(r"Using (\w+) for AutoAWQMarlinLinearMethod"), "{0}"),
@@ -127,7 +127,7 @@ class Awq(common.WeightRows):
     def add_arguments(self, ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--methods", default=METHODS,
                         help="<quantization>[:<linear backend>],... (default: %(default)s)")
-        common.add_row_arguments(ap, self.name)
+        engine_rows.add_row_arguments(ap, self.name)
         ap.add_argument("--checkpoint", type=Path, help="the random AWQ checkpoint's folder (written if absent or of "
                         "another shape; default <tmp>/turboquant-awq-bench/llama3-8b-<layers>l-g128)")
 
@@ -164,11 +164,11 @@ class Awq(common.WeightRows):
     def add_ratios(self, rows: list[dict]) -> str:
         """Each row against vLLM's best kernel: output_tok_s_vs_best_vllm (its tok/s / the best vLLM row's) and
         decode_speed_vs_best_vllm (the best vLLM latency / its own): > 1 is faster."""
-        vllm_rows = [r for r in rows if common.row_ok(r) and r["method"] != OURS]
+        vllm_rows = [r for r in rows if engine_rows.row_ok(r) and r["method"] != OURS]
         best_tput = max(vllm_rows, key=lambda r: r["output_tok_s"], default=None)
         timed = [r for r in vllm_rows if r.get("decode_latency_ms")]
         best_lat = min(timed, key=lambda r: r["decode_latency_ms"], default=None)
-        common.add_row_ratios(rows, best_tput, best_lat, "best_vllm")
+        engine_rows.add_row_ratios(rows, best_tput, best_lat, "best_vllm")
         best = []
         if best_tput:
             best.append(f"best vLLM throughput: {best_tput['label']} ({best_tput.get('kernel')})")
@@ -179,7 +179,7 @@ class Awq(common.WeightRows):
 
     def intro(self, rows: list[dict], model: dict) -> str:
         return (f"AWQ int4 (group {GROUP}, random codes, fp16) in vLLM end to end, Llama-3-8B shape: "
-                f"{common.shape_text(model)}.")
+                f"{engine_rows.shape_text(model)}.")
 
     def plot_title(self, model: dict) -> str:
         return "AWQ int4 in vLLM, Llama-3-8B shape"

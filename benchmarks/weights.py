@@ -42,7 +42,7 @@ out there; the full results keep them with their error): path "bf16", "marlin", 
 its provenance is the full results' meta.
 
 The embeddings and the LM head stay bf16 in every row (vLLM quantizes linear layers only). Measurements as `awq`'s
-(benchmarks.common): output tok/s = output tokens / wall time of one llm.generate over --prompts requests of
+(benchmarks.engine_rows): output tok/s = output tokens / wall time of one llm.generate over --prompts requests of
 --input-len tokens generating --output-len each (after a warm-up generate); batch-1 decode ms/token = (one request
 generating --output-len tokens - the same generating 1) / (--output-len - 1), median of 3; KV cache tokens from the
 engine; weights GiB and the kernel from the engine's log ("Model loading took ... GiB", "quartet2: NVFP4 path ...",
@@ -74,7 +74,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import common
+from . import common, engine_rows
 
 METHODS = "bf16,fp8,quartet2"
 # rows in this order, others after
@@ -84,10 +84,10 @@ OURS = "quartet2"
 MODELOPT = "modelopt_fp4"  # vLLM's NVFP4 checkpoint method: its rows load NVFP4 parameters (modelopt_quant_config)
 PATH_ENV = "TURBOQUANT_QUARTET2_PATH"  # quant.quartet2.method.PATH_ENV (not imported: the parent stays torch-free)
 PATHS = ("auto", "w4a4", "marlin", "emulate")
-MODEL = dict(common.LLAMA3_8B, torch_dtype="bfloat16")
+MODEL = dict(engine_rows.LLAMA3_8B, torch_dtype="bfloat16")
 BF16_KERNEL = "UnquantizedLinearMethod (bf16 matmul)"
 
-LLAMA, CLOVERLM = common.ROWS_MODEL, "cloverlm-4b"
+LLAMA, CLOVERLM = engine_rows.ROWS_MODEL, "cloverlm-4b"
 # CloverLM-4B's dimensions (turboquant_vllm.models.cloverlm.reference.CloverLMShape's fields), from the upstream
 # repository IST-DASLab/CloverLM: README.md's training command of the released run ("4b-28h-29d-cm310b-v3 ...
 # --num_blocks=29 --heads=28 --ratio=4"); src/train.py's defaults for what it leaves out (--zeta 16, and d_head =
@@ -100,8 +100,9 @@ CLOVERLM_4B = dict(vocab_size=32000, num_blocks=29, heads=28, d_head=128, ratio=
                    weight_tying=True)
 # per --model: its title, default rows and requests, and its depth (all of its layers unless --layers)
 MODELS = {
-    LLAMA: dict(title="Llama-3-8B", methods=METHODS, prompts=common.ROW_PROMPTS, input_len=common.ROW_INPUT_LEN,
-                output_len=common.ROW_OUTPUT_LEN, layers=common.ROW_LAYERS),
+    LLAMA: dict(title="Llama-3-8B", methods=METHODS, prompts=engine_rows.ROW_PROMPTS,
+                input_len=engine_rows.ROW_INPUT_LEN, output_len=engine_rows.ROW_OUTPUT_LEN,
+                layers=engine_rows.ROW_LAYERS),
     CLOVERLM: dict(title="CloverLM-4B", methods=f"{BF16},{OURS}:marlin,{OURS}:emulate,{MODELOPT}", prompts=64,
                    input_len=1024, output_len=128, layers=CLOVERLM_4B["num_blocks"]),
 }
@@ -111,12 +112,12 @@ SUMMARY = common.RESULTS / "quartet2.json"  # cloverlm-4b's summary (issue 25): 
 
 # ---- configuration -----------------------------------------------------------------------------
 
-def model_config(layers: int = common.ROW_LAYERS, input_len: int = common.ROW_INPUT_LEN,
-                 output_len: int = common.ROW_OUTPUT_LEN, model: str = LLAMA) -> dict:
+def model_config(layers: int = engine_rows.ROW_LAYERS, input_len: int = engine_rows.ROW_INPUT_LEN,
+                 output_len: int = engine_rows.ROW_OUTPUT_LEN, model: str = LLAMA) -> dict:
     """The config.json of `model` in bf16 with `layers` decoder layers, positions enough for the requests: Llama-3-8B's
     shape, or CloverLM-4B's (CloverLM's own fields and the HF ones, checkpoint.config_of)."""
     if model == LLAMA:
-        return common.llama3_8b(MODEL, layers, input_len, output_len)
+        return engine_rows.llama3_8b(MODEL, layers, input_len, output_len)
     if model != CLOVERLM:
         raise ValueError(f"unknown model {model!r}: choose one of {', '.join(MODELS)}")
     from turboquant_vllm.models.cloverlm.checkpoint import config_of
@@ -210,12 +211,12 @@ def summary(rows: list[dict]) -> dict:
     "weight_gib"}]}, the measured rows in order (failed rows left out)."""
     return {"rows": [dict(path=summary_row_path(r), decode_latency_ms=r["decode_latency_ms"],
                           output_tok_s=r["output_tok_s"], weight_gib=r.get("weights_gib"))
-                     for r in rows if common.row_ok(r)]}
+                     for r in rows if engine_rows.row_ok(r)]}
 
 
-# ---- the rows: what common.WeightRows runs -----------------------------------------------------
+# ---- the rows: what engine_rows.WeightRows runs ------------------------------------------------
 
-class Weights(common.WeightRows):
+class Weights(engine_rows.WeightRows):
     name, tag = "weights", "WEIGHTS_ROW"
     kernel_patterns = (
         (re.compile(r"quartet2: NVFP4 path marlin\b"), "Marlin FP4 W4A16 (quartet2 marlin)"),
@@ -243,7 +244,7 @@ class Weights(common.WeightRows):
                             f"{d['layers']} layers" for name, d in MODELS.items()))
         ap.add_argument("--methods", help="bf16, fp8 (or another vLLM method), quartet2[:auto|marlin|emulate], "
                         "modelopt_fp4, comma-separated (default: the --model's)")
-        common.add_row_arguments(ap, self.name, layers_help="decoder layers of the model's shape (default: all of "
+        engine_rows.add_row_arguments(ap, self.name, layers_help="decoder layers of the model's shape (default: all of "
                                  "them)")
         ap.set_defaults(prompts=None, input_len=None, output_len=None, layers=None)  # the --model's (defaults)
         ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)  # the child's: the parent's config.json
@@ -309,8 +310,8 @@ class Weights(common.WeightRows):
     def add_ratios(self, rows: list[dict]) -> str:
         """Each row against the bf16 row: output_tok_s_vs_bf16 (its tok/s / bf16's) and decode_speed_vs_bf16 (bf16's
         batch-1 decode latency / its own): > 1 is faster; none where bf16 failed or is absent."""
-        ref = next((r for r in rows if r.get("label") == BF16 and common.row_ok(r)), None)
-        common.add_row_ratios(rows, ref, ref if ref and ref.get("decode_latency_ms") else None, "bf16")
+        ref = next((r for r in rows if r.get("label") == BF16 and engine_rows.row_ok(r)), None)
+        engine_rows.add_row_ratios(rows, ref, ref if ref and ref.get("decode_latency_ms") else None, "bf16")
         return (" Ratios: against the bf16 row, > 1 faster" + ("" if ref else " (no bf16 row measured: no ratios)")
                 + ". Kernel: the one the engine's log names (bf16: no log line; quartet2 marlin: NVFP4 weights "
                 "through vLLM's Marlin FP4 kernel, bf16 activations). Weights GiB: the engine's \"Model loading took\" "
@@ -318,7 +319,7 @@ class Weights(common.WeightRows):
 
     def intro(self, rows: list[dict], model: dict) -> str:
         return (f"Weight quantization in vLLM end to end vs bf16 weights, {model_title(model)} shape: "
-                f"{common.shape_text(model)}; vLLM's dummy weights (random bf16), quantized after loading"
+                f"{engine_rows.shape_text(model)}; vLLM's dummy weights (random bf16), quantized after loading"
                 + ("; modelopt_fp4: random NVFP4 parameters loaded as they are" if any(
                     r.get("method") == MODELOPT for r in rows) else "") + ".")
 

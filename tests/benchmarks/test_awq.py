@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from benchmarks import awq, common
+from benchmarks import awq, common, engine_rows
 
 
 def test_arguments_defaults():
@@ -13,7 +13,7 @@ def test_arguments_defaults():
     assert args.method_list == ["awq_marlin", "awq_marlin:marlin", "awq_marlin:machete", "awq:triton", "awq_turbomind"]
     assert (args.prompts, args.input_len, args.output_len, args.layers) == (1000, 1024, 128, 32)
     assert args.gpu_memory_utilization == 0.85 and not args.merge and args.out is None and args.timeout == 0
-    assert common.is_default_rows(args) and not common.is_default_rows(awq.BENCH.arguments(["--layers", "8"]))
+    assert engine_rows.is_default_rows(args) and not engine_rows.is_default_rows(awq.BENCH.arguments(["--layers", "8"]))
 
 
 def test_methods_are_canonical_and_checked():

@@ -13,11 +13,11 @@ import pytest
 
 import benchmarks
 from benchmarks import __main__ as runner
-from benchmarks import common
+from benchmarks import common, engine_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "benchmarks"
-HELPERS = {"__init__", "__main__", "common"}
+HELPERS = {"__init__", "__main__", "common", "engine_rows"}
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in HELPERS)
 
 
@@ -35,7 +35,7 @@ def test_each_benchmark_imports_without_a_gpu_and_has_main(name):
     assert callable(module.main) and module.__doc__
 
 
-@pytest.mark.parametrize("name", MODULES + ["common", "__main__"])
+@pytest.mark.parametrize("name", MODULES + ["common", "engine_rows", "__main__"])
 def test_no_sys_path_edits_nor_private_kernel_imports(name):
     tree = ast.parse((PACKAGE / f"{name}.py").read_text())
     for node in ast.walk(tree):
@@ -99,9 +99,9 @@ def test_children_run_as_modules_from_anywhere(tmp_path):
     assert "python -m benchmarks e2e" in out.stdout
 
 
-# ---- common.WeightRows: the runner awq and weights share, on a kind of rows of its own ----------------------------
+# ---- engine_rows.WeightRows: the runner awq and weights share, on a kind of rows of its own -----------------------
 
-class ToyRows(common.WeightRows):
+class ToyRows(engine_rows.WeightRows):
     name, tag = "toy", "TOY_ROW"
     kernel_patterns = ((re.compile(r"kernel (\w+)"), "{0}"),)
     order_labels = ("base", "ours")
@@ -122,11 +122,11 @@ class ToyRows(common.WeightRows):
 
     def add_arguments(self, ap):
         ap.add_argument("--methods", default="ours,base")
-        common.add_row_arguments(ap, self.name)
+        engine_rows.add_row_arguments(ap, self.name)
         ap.add_argument("--model-dir", type=Path)
 
     def model(self, args):
-        return common.llama3_8b(common.LLAMA3_8B, args.layers, args.input_len, args.output_len)
+        return engine_rows.llama3_8b(engine_rows.LLAMA3_8B, args.layers, args.input_len, args.output_len)
 
     @contextlib.contextmanager
     def model_dirs(self, args, model):
@@ -145,8 +145,8 @@ class ToyRows(common.WeightRows):
         return {"kernel": "plain"} if method == "base" else {}
 
     def add_ratios(self, rows):
-        ref = next((r for r in rows if r["label"] == "base" and common.row_ok(r)), None)
-        common.add_row_ratios(rows, ref, ref, "base")
+        ref = next((r for r in rows if r["label"] == "base" and engine_rows.row_ok(r)), None)
+        engine_rows.add_row_ratios(rows, ref, ref, "base")
         return " Ratios: against the base row."
 
     def intro(self, rows, model):
@@ -187,8 +187,8 @@ def test_rows_engine_builds_the_row_in_the_child(tmp_path, monkeypatch):
 
     built = []
     monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw) or "llm")
-    monkeypatch.setattr(common, "engine_facts", lambda llm: dict(kv_cache_tokens=5))
-    monkeypatch.setattr(common, "time_requests", lambda llm, vocab, *rest: dict(vocab=vocab, rest=list(rest)))
+    monkeypatch.setattr(engine_rows, "engine_facts", lambda llm: dict(kv_cache_tokens=5))
+    monkeypatch.setattr(engine_rows, "time_requests", lambda llm, vocab, *rest: dict(vocab=vocab, rest=list(rest)))
     (tmp_path / "config.json").write_text(json.dumps(dict(vocab_size=99)))
     toy = ToyRows()
     row = toy.engine("base:x", str(tmp_path), 10, 64, 8, 0.8, 3)

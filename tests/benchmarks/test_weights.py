@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, weights
+from benchmarks import common, engine_rows, weights
 
 
 def test_arguments_defaults():
@@ -291,7 +291,7 @@ def test_cloverlm_4b_config(tmp_path):
     shape = CloverLMShape.from_config(model)
     assert (shape.d, shape.kv_heads, shape.d_ff) == (3584, 7, 14336)
     assert "29 layers, hidden 3584, intermediate 14336, 28 q / 7 KV heads, head_dim 128, vocab 32000" in (
-        common.shape_text(model))
+        engine_rows.shape_text(model))
     AutoConfig.register(MODEL_TYPE, CloverLMConfig, exist_ok=True)
     cfg = AutoConfig.from_pretrained(weights.write_model(model, tmp_path / "m"))
     assert type(cfg).__name__ == "CloverLMConfig"

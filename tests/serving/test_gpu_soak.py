@@ -57,7 +57,7 @@ except ImportError:  # the GPU image may lack pytest: run as a script
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script too: benchmarks.common, this tree's package
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, engine_rows  # noqa: E402
 from tests.serving import soak_summary, text_prompts  # noqa: E402
 from tests.serving import test_gpu_openai_server as srv  # noqa: E402
 
@@ -400,12 +400,13 @@ def failed_row(kv: str, args: argparse.Namespace, error: str) -> dict:
 def markdown(rows: list[dict], meta: dict) -> str:
     cols = [("KV cache", lambda r: r["kv"]), ("requests", lambda r: str(r.get("requests") or "")),
             ("failed", lambda r: "" if r.get("failed") is None else str(r["failed"])),
-            ("preemptions", lambda r: common.fmt(r.get("preemptions"), ".0f"))]
+            ("preemptions", lambda r: engine_rows.fmt(r.get("preemptions"), ".0f"))]
     for metric in ("ttft", "tpot", "itl"):
         for p in (50, 99):
-            cols.append((f"{metric.upper()} p{p} ms", lambda r, k=f"{metric}_p{p}_ms": common.fmt(r.get(k), ".1f")))
-    cols += [("output tok/s", lambda r: common.fmt(r.get("output_tok_s"), ",.0f")),
-             ("GPU MiB growth after warm-up", lambda r: common.fmt((r.get("memory") or {}).get(
+            cols.append((f"{metric.upper()} p{p} ms",
+                         lambda r, k=f"{metric}_p{p}_ms": engine_rows.fmt(r.get(k), ".1f")))
+    cols += [("output tok/s", lambda r: engine_rows.fmt(r.get("output_tok_s"), ",.0f")),
+             ("GPU MiB growth after warm-up", lambda r: engine_rows.fmt((r.get("memory") or {}).get(
                  "growth_after_warmup_mib"), ".0f")),
              ("greedy same after", lambda r: "" if not r.get("greedy_after_soak") else
               f"{r['greedy_after_soak']['identical']}/{r['greedy_after_soak']['prompts']}"),
@@ -416,7 +417,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# Soak: vllm bench serve against vllm serve, preemption on\n",
              "Latencies from `vllm bench serve` (TTFT: time to first token; TPOT: time per output token after the "
              "first; ITL: inter-token latency), preemptions from vllm:num_preemptions_total, GPU memory sampled with "
-             "nvidia-smi.\n", common.markdown_table(rows, cols), "", f"![latency percentiles]({meta['png']})", "",
+             "nvidia-smi.\n", engine_rows.markdown_table(rows, cols), "", f"![latency percentiles]({meta['png']})", "",
              "## Commands", ""]
     for r in rows:
         if r.get("serve_command"):

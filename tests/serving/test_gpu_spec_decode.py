@@ -51,7 +51,7 @@ except ImportError:  # the GPU image may lack pytest: run as a script
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script too: benchmarks.common, this tree's package
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, engine_rows  # noqa: E402
 from tests.serving import soak_summary, text_prompts  # noqa: E402
 from tests.serving import test_gpu_openai_server as srv  # noqa: E402
 
@@ -280,11 +280,11 @@ def child_main(path: str) -> int:
     llm = LLM(**engine_kwargs(case))
     startup_s = time.perf_counter() - start
     print(READY, flush=True)
-    row = dict(run_engine(llm, case), startup_s=startup_s, engine=common.engine_facts(llm))
+    row = dict(run_engine(llm, case), startup_s=startup_s, engine=engine_rows.engine_facts(llm))
     config = llm.llm_engine.vllm_config
     row["engine"]["speculative_config"] = str(config.speculative_config) if config.speculative_config else None
     llm.llm_engine.do_log_stats()  # flush the last interval's CUDA-graph table into the log
-    common.emit_row(TAG, save_row(path, row))
+    engine_rows.emit_row(TAG, save_row(path, row))
     return 0
 
 
@@ -350,9 +350,10 @@ def compare_outputs(reference: dict, speculative: dict, near_tie: float) -> dict
 
 
 def error_lines(log: str, first: int = 3) -> list[str]:
-    """The distinct error lines of a log (common.LOG_ERROR's): the first few (a root cause, e.g. vLLM's refusal) and
-    the last (what ended the process, e.g. "Engine core initialization failed")."""
-    found = list(dict.fromkeys(m.group(0).strip()[:500] for m in map(common.LOG_ERROR.search, log.splitlines()) if m))
+    """The distinct error lines of a log (engine_rows.LOG_ERROR's): the first few (a root cause, e.g. vLLM's
+    refusal) and the last (what ended the process, e.g. "Engine core initialization failed")."""
+    found = list(dict.fromkeys(m.group(0).strip()[:500] for m in map(engine_rows.LOG_ERROR.search, log.splitlines())
+                               if m))
     return found[:first] + ([found[-1]] if len(found) > first else [])
 
 
@@ -367,7 +368,7 @@ def run_case(case: dict, log_dir: Path, timeout: float) -> dict:
     case_file.write_text(json.dumps(case, indent=1))
     env = srv.server_env(srv.plugin_site(log_dir), case["preset"])
     start = time.perf_counter()
-    row, text, why = common.run_child(child_command(case_file), env, log_dir / f"{name}.log", timeout, TAG)
+    row, text, why = engine_rows.run_child(child_command(case_file), env, log_dir / f"{name}.log", timeout, TAG)
     result = dict(kv=case["kv"], method=case["method"], seconds=round(time.perf_counter() - start, 1),
                   log=str(log_dir / f"{name}.log"), cudagraph_steps=cudagraph_steps(text))
     if row is None:
@@ -452,8 +453,8 @@ def markdown(entries: list[dict], settings: dict) -> str:
             continue
         acc = f"{e['acceptance_rate']:.1%}" if e.get("acceptance_rate") is not None else ""
         lines.append(f"| {e['kv']} | {e['method']} | {e['prompts']} | {e['identical']} | {e['explained_near_ties']} | "
-                     f"{e['unexplained']} | {acc} | {common.fmt(e['speedup_batch'], '.2f')} | "
-                     f"{common.fmt(e['speedup_single'], '.2f')} | {e['full_graph_steps']} "
+                     f"{e['unexplained']} | {acc} | {engine_rows.fmt(e['speedup_batch'], '.2f')} | "
+                     f"{engine_rows.fmt(e['speedup_single'], '.2f')} | {e['full_graph_steps']} "
                      f"({e['full_graph_steps_dense_size']}) | {'passed' if e['passed'] else '**FAILED**'} |")
     return "\n".join(lines) + "\n"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common
+from benchmarks import engine_rows
 from tests.serving import soak_summary
 from tests.serving import test_gpu_spec_decode as spec
 
@@ -237,7 +237,7 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
         table = "| 250 | 256 | 6 | FULL | 7 |\n| 12 | 16 | 4 | FULL | 2 |\n"
         return spec.save_row(cmd[-1], row), f"{spec.READY}\n{table}", None
 
-    monkeypatch.setattr(common, "run_child", run_child)
+    monkeypatch.setattr(engine_rows, "run_child", run_child)
     summary = tmp_path / "soak.json"
     soak_summary.write_summary(summary, "rows", [{"kv": "tq4", "requests": 9}])  # the soak's part, kept
     args = spec.parse_args(["--model", "/m", "--data", str(tmp_path), "--kv", "tq4,tq3", "--max-tokens", "6",
