@@ -23,11 +23,11 @@ so a cut-off run keeps what it measured (the machinery, shared with `weights`, i
 
     python -m benchmarks awq [--methods awq_marlin,awq_marlin:marlin,awq_marlin:machete,awq:triton,awq_turbomind]
         [--prompts 1000] [--input-len 1024] [--output-len 128] [--layers 32] [--gpu-memory-utilization 0.85]
-        [--checkpoint DIR] [--timeout S] [--out PATH] [--merge]
+        [--tp N] [--checkpoint DIR] [--timeout S] [--out PATH] [--merge]
 
 The default configuration (32 layers, 1000 x 1024 in / 128 out) writes the headline
 benchmarks/results/awq.{json,md,png}; any other writes
-benchmarks/results/awq/<gpu>-llama3-8b-<layers>l-<prompts>x<in>-<out>.{json,md,png}. The children's logs go to
+benchmarks/results/awq/<gpu>-llama3-8b-<layers>l-<prompts>x<in>-<out>[-tp<N>].{json,md,png}. The children's logs go to
 benchmarks/results/awq/<gpu>-<that name>/ (the --out path's folder of its name with --out), <row>.log each.
 The checkpoint is written once into --checkpoint (default: <tmp>/turboquant-awq-bench/llama3-8b-<layers>l-g128) and
 reused by later calls while its config.json is the same.

@@ -74,6 +74,7 @@ def add_row_arguments(ap: argparse.ArgumentParser, name: str,
     ap.add_argument("--output-len", type=int, default=ROW_OUTPUT_LEN)
     ap.add_argument("--layers", type=int, default=ROW_LAYERS, help=layers_help)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: each row's engine over this many GPUs")
     ap.add_argument("--seed", type=int, default=0, help="of the prompts' random token ids")
     ap.add_argument("--timeout", type=float, default=0, help="seconds a row may take before it is stopped and "
                     "written as failed (0: no limit)")
@@ -85,12 +86,15 @@ def add_row_arguments(ap: argparse.ArgumentParser, name: str,
 def check_row_arguments(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.output_len < 2:
         ap.error("--output-len must be 2 or more (decode latency takes the difference to a 1-token run)")
+    if args.tp < 1:
+        ap.error("--tp must be 1 or more")
 
 
 def row_settings(args: argparse.Namespace) -> dict:
-    """The requests' configuration, as the results' meta records it."""
+    """The requests' configuration, as the results' meta records it (the tensor-parallel size where above 1)."""
     return dict(prompts=args.prompts, input_len=args.input_len, output_len=args.output_len,
-                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                **({"tensor_parallel_size": args.tp} if args.tp > 1 else {}))
 
 
 def row_child_arguments(args: argparse.Namespace) -> list[str]:
@@ -98,16 +102,17 @@ def row_child_arguments(args: argparse.Namespace) -> list[str]:
     --out, --merge)."""
     return ["--prompts", str(args.prompts), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--layers", str(args.layers), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            "--seed", str(args.seed)]
+            "--seed", str(args.seed), *(["--tp", str(args.tp)] if args.tp > 1 else [])]
 
 
 def is_default_rows(args: argparse.Namespace) -> bool:
-    return ((args.layers, args.prompts, args.input_len, args.output_len)
-            == (ROW_LAYERS, ROW_PROMPTS, ROW_INPUT_LEN, ROW_OUTPUT_LEN))
+    return ((args.layers, args.prompts, args.input_len, args.output_len, args.tp)
+            == (ROW_LAYERS, ROW_PROMPTS, ROW_INPUT_LEN, ROW_OUTPUT_LEN, 1))
 
 
 def rows_config_name(args: argparse.Namespace, model: str = ROWS_MODEL) -> str:
-    return f"{model}-{args.layers}l-{args.prompts}x{args.input_len}-{args.output_len}"
+    return (f"{model}-{args.layers}l-{args.prompts}x{args.input_len}-{args.output_len}"
+            + (f"-tp{args.tp}" if args.tp > 1 else ""))
 
 
 def rows_result_paths(name: str, args: argparse.Namespace, gpu: str | None = None,
@@ -130,7 +135,8 @@ def engine_facts(llm) -> dict:
     cache, sched = config.cache_config, config.scheduler_config
     return dict(kv_cache_tokens=(cache.num_gpu_blocks or 0) * cache.block_size, max_num_seqs=sched.max_num_seqs,
                 max_num_batched_tokens=sched.max_num_batched_tokens,
-                cudagraph_mode=str(config.compilation_config.cudagraph_mode))
+                cudagraph_mode=str(config.compilation_config.cudagraph_mode),
+                tensor_parallel_size=config.parallel_config.tensor_parallel_size)
 
 
 def time_requests(llm, vocab: int, prompts: int, input_len: int, output_len: int, seed: int = 0) -> dict:
@@ -316,7 +322,9 @@ def timing_text(settings: dict) -> str:
             f"{settings['output_len']} each, one llm.generate (vLLM's default scheduling, CUDA graphs as the column "
             f"says, no prefix caching, gpu_memory_utilization {settings['gpu_memory_utilization']}). Batch-1 decode "
             f"ms/token: (one request generating {settings['output_len']} tokens - the same generating 1) / "
-            f"{settings['output_len'] - 1}, median of {LATENCY_REPEATS}.")
+            f"{settings['output_len'] - 1}, median of {LATENCY_REPEATS}."
+            + (f" Tensor parallel {settings['tensor_parallel_size']}: each engine over that many GPUs."
+               if settings.get("tensor_parallel_size", 1) > 1 else ""))
 
 
 def measured_by(rows: list[dict]) -> str:
@@ -508,14 +516,15 @@ class WeightRows(abc.ABC):
                               "--child", spec)
 
     def engine(self, spec: str, model_dir: str, prompts: int, input_len: int, output_len: int,
-               gpu_memory_utilization: float, seed: int = 0) -> dict:
+               gpu_memory_utilization: float, seed: int = 0, tp: int = 1) -> dict:
         """Runs inside a fresh process: one engine, throughput and batch-1 decode latency (time_requests)."""
         method, variant = self.parse_method(spec)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.prepare_child(method, variant, config)
         from vllm import LLM
 
-        llm = LLM(**self.llm_kwargs(method, variant, model_dir, input_len, output_len, gpu_memory_utilization))
+        kwargs = self.llm_kwargs(method, variant, model_dir, input_len, output_len, gpu_memory_utilization)
+        llm = LLM(**kwargs, **({"tensor_parallel_size": tp} if tp > 1 else {}))
         row = dict(self.identity(spec), **engine_facts(llm), **self.child_facts(method))
         row.update(time_requests(llm, config["vocab_size"], prompts, input_len, output_len, seed))
         return row
@@ -577,7 +586,7 @@ class WeightRows(abc.ABC):
         args = self.arguments(argv)
         if args.child:
             emit_row(self.tag, self.engine(args.child, str(self.child_model_dir(args)), args.prompts, args.input_len,
-                                           args.output_len, args.gpu_memory_utilization, args.seed))
+                                           args.output_len, args.gpu_memory_utilization, args.seed, args.tp))
             return
         model = self.model(args)
         settings = self.settings(args)

@@ -53,7 +53,7 @@ error, and the results are written after every row, so a cut-off run keeps what 
 
     python -m benchmarks weights [--model llama3-8b|cloverlm-4b] [--methods bf16,fp8,quartet2] [--prompts 1000]
         [--input-len 1024] [--output-len 128] [--layers 32] [--gpu-memory-utilization 0.85] [--timeout S]
-        [--out PATH] [--merge]
+        [--tp N] [--out PATH] [--merge]
 
 The default configuration (llama3-8b, 32 layers, 1000 x 1024 in / 128 out) writes the headline
 benchmarks/results/weights.{json,md,png}; any other writes

@@ -197,6 +197,22 @@ def test_rows_engine_builds_the_row_in_the_child(tmp_path, monkeypatch):
     assert toy.prepared == ("base", "x", 99)
     assert built == [dict(model=str(tmp_path), dtype="float16", skip_tokenizer_init=True, seed=0, max_model_len=80,
                           gpu_memory_utilization=0.8, enable_prefix_caching=False)]
+    toy.engine("base:x", str(tmp_path), 10, 64, 8, 0.8, 3, tp=2)  # each engine over two GPUs
+    assert built[-1]["tensor_parallel_size"] == 2
+
+
+def test_rows_tensor_parallel_reaches_the_child_the_names_and_the_text():
+    toy = ToyRows()
+    args = toy.arguments(["--layers", "2", "--prompts", "7", "--tp", "2"])
+    child = toy.arguments(toy.child_command("base:x", "/m", args)[3:])
+    assert child.tp == 2 and toy.arguments(toy.child_command("base:x", "/m", toy.arguments([]))[3:]).tp == 1
+    assert engine_rows.rows_config_name(args).endswith("-2l-7x1024-128-tp2")
+    assert not engine_rows.is_default_rows(toy.arguments(["--tp", "2"]))
+    settings = toy.settings(args)
+    assert settings["tensor_parallel_size"] == 2 and "tensor_parallel_size" not in toy.settings(toy.arguments([]))
+    assert engine_rows.timing_text(settings).endswith("Tensor parallel 2: each engine over that many GPUs.")
+    with pytest.raises(SystemExit):
+        toy.arguments(["--tp", "0"])
 
 
 def test_rows_measure_reads_the_child_and_its_log(tmp_path):
