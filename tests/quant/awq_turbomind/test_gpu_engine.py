@@ -3,7 +3,7 @@
 The reference LM (trained, hidden 512) quantized to AWQ int4 group 128 by our helper: WikiText-2 perplexity under
 awq_turbomind within 0.5% of vLLM's `awq_marlin` and `awq` (Triton), and greedy continuations that follow
 awq_marlin's (fp16 kernels summing in other orders may part at a near-tie, so most, not all, must agree to the end).
-Compiled with CUDA graphs (vLLM's default), fp16 (AWQ's kernels' dtype).
+Compiled with CUDA graphs (vLLM's default), fp16 (AWQ's kernels' dtype); at tensor parallel 1 and, with two GPUs, 2.
 
     source .gpukit/bin/env.sh && python -m pytest -q -s tests/quant/awq_turbomind/test_gpu_engine.py
 """
@@ -27,17 +27,20 @@ def checkpoint(tmp_path_factory):
     return checkpoint.quantize_checkpoint(MODEL, tmp_path_factory.mktemp("awq") / "reference-lm-awq")
 
 
-def test_awq_turbomind_serves_as_vllms_awq_kernels_do(checkpoint):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_awq_turbomind_serves_as_vllms_awq_kernels_do(checkpoint, tp):
     pytest.importorskip("turbomind")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
     windows, prompts = gpu_engine.windows_and_prompts(MODEL, WINDOWS, WINDOW, PROMPTS, PROMPT)
-    runs = {q: gpu_engine.serve(checkpoint, dict(quantization=q, dtype="float16"), windows, prompts, GENERATED)
+    # tensor parallel 2: each rank repacks and runs its own shard of every layer
+    llm = dict(dtype="float16", **({"tensor_parallel_size": tp} if tp > 1 else {}))
+    runs = {q: gpu_engine.serve(checkpoint, dict(quantization=q, **llm), windows, prompts, GENERATED)
             for q in ("awq_marlin", "awq", "awq_turbomind")}
     ppl = {q: r["ppl"] for q, r in runs.items()}
     agree = [gpu_engine.same_prefix(a, b) for a, b in zip(runs["awq_turbomind"]["tokens"],
                                                           runs["awq_marlin"]["tokens"])]
-    print(f"\nperplexity over {WINDOWS} x {WINDOW} WikiText-2 tokens: "
+    print(f"\ntensor parallel {tp}: perplexity over {WINDOWS} x {WINDOW} WikiText-2 tokens: "
           + ", ".join(f"{q} {p:.4f}" for q, p in ppl.items()))
     print(f"greedy tokens shared with awq_marlin, per prompt (of {GENERATED}): {agree}")
     for q in ("awq_marlin", "awq"):
