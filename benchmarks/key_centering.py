@@ -13,7 +13,9 @@ configuration. Calibration (mean m and scale s per layer and KV head, core.calib
 
 A configuration is one of CONFIGS, optionally with other bits in some layers: "tq4 centered per token + k5 layers
 0,1,28,29" (5-bit keys, same values and centering there), "+ bf16 layers 12-28", "+ k5 layers top4" (the 4 layers
-where 5-bit keys save the most KL, measured as in 3). Each row's bytes per token per KV head average the layers.
+where 5-bit keys save the most KL, measured as in 3), "+ sink key exact" (each window's first token, the attention
+sink, keeps its exact key in every layer: 2 d bytes a sequence, not counted per token). Each row's bytes per token
+per KV head average the layers.
 
 Key centering caches (k - m) / s: exact for softmax (q.m is the same for every key) and it takes out the mean that
 RoPE'd keys share. But attention-sink keys (e.g. a sequence's first token, which most heads attend to) are short
@@ -58,6 +60,11 @@ CONFIGS = {  # name -> (key bits, value bits, key transform)
     "k5v4 centered per token": (5, 4, "adaptive"),
 }
 OVERRIDES = {"k5": lambda kb, vb, how: (5, vb, how), "bf16": lambda kb, vb, how: ("bf16", "bf16", "")}
+SINK_EXACT = "sink key exact"
+
+
+def sink_exact(name: str) -> bool:
+    return SINK_EXACT in (part.strip() for part in name.split("+")[1:])
 
 
 def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[int, tuple]:
@@ -67,6 +74,8 @@ def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[
     base = layers_of_base(name)
     layers = dict.fromkeys(range(num_layers), base)
     for part in parts:
+        if part == SINK_EXACT:
+            continue
         kind, spec = re.fullmatch(r"(\w+) layers (\S+)", part).groups()
         for item in spec.split(","):
             if item.startswith("top"):
@@ -233,9 +242,12 @@ def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str],
             layers = parse(name, len(model.model.layers), ranking)
             t0, kls, nlls = time.perf_counter(), [], []
 
-            def hook(i, k, v, layers=layers):
+            def hook(i, k, v, layers=layers, sink=sink_exact(name)):
                 kb, vb, how = layers[i]
-                return keys_through_cache(k, kb, how, cal[i]), fake_quant(v, vb)
+                k_hat = keys_through_cache(k, kb, how, cal[i])
+                if sink:  # the window's first token (tokens on axis 2) keeps its exact key
+                    k_hat = torch.cat([k[:, :, :1], k_hat[:, :, 1:]], 2)
+                return k_hat, fake_quant(v, vb)
 
             for ids, logp_ref, _ in refs:
                 logp = forward(model, ids, hook)[:, :-1].log_softmax(-1)

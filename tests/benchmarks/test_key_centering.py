@@ -26,3 +26,10 @@ def test_bytes_per_token_average_the_layers():
     assert kc.bytes_per_token(kc.parse(f"{BASE} + k5 layers 0-29", 30), d) == 80.0
     assert kc.bytes_per_token(kc.parse(f"{BASE} + bf16 layers 0,1,28,29", 30), d) == pytest.approx(
         (26 * 72 + 4 * 256) / 30)
+
+
+def test_sink_key_exact_is_a_flag_beside_the_layers():
+    assert not kc.sink_exact(BASE) and kc.sink_exact(f"{BASE} + sink key exact + k5 layers 3")
+    layers = kc.parse(f"{BASE} + sink key exact + k5 layers 3", 6)
+    assert layers == kc.parse(f"{BASE} + k5 layers 3", 6)  # the layers' bits are untouched
+    assert kc.bytes_per_token(kc.parse(f"{BASE} + sink key exact", 30), 64) == 72.0  # per sequence, not per token
