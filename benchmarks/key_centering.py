@@ -14,7 +14,8 @@ configuration. Calibration (mean m and scale s per layer and KV head, core.calib
 A configuration is one of CONFIGS, optionally with other bits in some layers: "tq4 centered per token + k5 layers
 0,1,28,29" (5-bit keys, same values and centering there), "+ bf16 layers 12-28", "+ k5 layers top4" (the 4 layers
 where 5-bit keys save the most KL, measured as in 3), "+ sink key exact" (each window's first token, the attention
-sink, keeps its exact key in every layer: 2 d bytes a sequence, not counted per token). Each row's bytes per token
+sink, keeps its exact key in every layer: 2 d bytes a sequence, not counted per token; "+ first N keys exact": the
+first N tokens'). Each row's bytes per token
 per KV head average the layers.
 
 Key centering caches (k - m) / s: exact for softmax (q.m is the same for every key) and it takes out the mean that
@@ -60,11 +61,13 @@ CONFIGS = {  # name -> (key bits, value bits, key transform)
     "k5v4 centered per token": (5, 4, "adaptive"),
 }
 OVERRIDES = {"k5": lambda kb, vb, how: (5, vb, how), "bf16": lambda kb, vb, how: ("bf16", "bf16", "")}
-SINK_EXACT = "sink key exact"
+EXACT_KEYS = re.compile(r"sink key exact|first (\d+) keys exact")
 
 
-def sink_exact(name: str) -> bool:
-    return SINK_EXACT in (part.strip() for part in name.split("+")[1:])
+def exact_keys(name: str) -> int:
+    """How many of each window's first tokens keep their exact keys ("+ sink key exact": 1), 0 if none."""
+    found = [EXACT_KEYS.fullmatch(part.strip()) for part in name.split("+")[1:]]
+    return max((int(m.group(1) or 1) for m in found if m), default=0)
 
 
 def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[int, tuple]:
@@ -74,7 +77,7 @@ def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[
     base = layers_of_base(name)
     layers = dict.fromkeys(range(num_layers), base)
     for part in parts:
-        if part == SINK_EXACT:
+        if EXACT_KEYS.fullmatch(part):
             continue
         kind, spec = re.fullmatch(r"(\w+) layers (\S+)", part).groups()
         for item in spec.split(","):
@@ -242,11 +245,11 @@ def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str],
             layers = parse(name, len(model.model.layers), ranking)
             t0, kls, nlls = time.perf_counter(), [], []
 
-            def hook(i, k, v, layers=layers, sink=sink_exact(name)):
+            def hook(i, k, v, layers=layers, n=exact_keys(name)):
                 kb, vb, how = layers[i]
                 k_hat = keys_through_cache(k, kb, how, cal[i])
-                if sink:  # the window's first token (tokens on axis 2) keeps its exact key
-                    k_hat = torch.cat([k[:, :, :1], k_hat[:, :, 1:]], 2)
+                if n:  # the window's first n tokens (tokens on axis 2) keep their exact keys
+                    k_hat = torch.cat([k[:, :, :n], k_hat[:, :, n:]], 2)
                 return k_hat, fake_quant(v, vb)
 
             for ids, logp_ref, _ in refs:

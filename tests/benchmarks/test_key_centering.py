@@ -28,8 +28,10 @@ def test_bytes_per_token_average_the_layers():
         (26 * 72 + 4 * 256) / 30)
 
 
-def test_sink_key_exact_is_a_flag_beside_the_layers():
-    assert not kc.sink_exact(BASE) and kc.sink_exact(f"{BASE} + sink key exact + k5 layers 3")
+def test_exact_first_keys_are_a_count_beside_the_layers():
+    assert kc.exact_keys(BASE) == 0 and kc.exact_keys(f"{BASE} + sink key exact + k5 layers 3") == 1
+    assert kc.exact_keys(f"{BASE} + first 4 keys exact") == 4
     layers = kc.parse(f"{BASE} + sink key exact + k5 layers 3", 6)
     assert layers == kc.parse(f"{BASE} + k5 layers 3", 6)  # the layers' bits are untouched
     assert kc.bytes_per_token(kc.parse(f"{BASE} + sink key exact", 30), 64) == 72.0  # per sequence, not per token
+    assert kc.parse(f"{BASE} + first 4 keys exact", 6) == kc.parse(BASE, 6)
