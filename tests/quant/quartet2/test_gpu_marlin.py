@@ -19,6 +19,7 @@ import functools
 import pytest
 import torch
 
+from tests.quant.quartet2.layers import on_the_fly_layer
 from turboquant_vllm.quant.quartet2 import linear, marlin, method
 
 pytestmark = pytest.mark.gpu
@@ -142,18 +143,13 @@ def test_cuda_graph_replays_the_eager_output(fused):
 
 def test_the_method_serves_a_layer_through_marlin(monkeypatch, one_rank):
     from vllm.model_executor.layers.linear import ReplicatedLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     monkeypatch.delenv(method.PATH_ENV, raising=False)
     config = method.Quartet2Config()
     assert config.path == "marlin"
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "model.layers.0.mlp.down_proj")
     weight = random_weight(1024, 2048, 9)
-    layer = torch.nn.Module()
-    with torch.device("cuda"):
-        quant.create_weights(layer, 2048, [1024], 2048, 1024, torch.bfloat16, weight_loader=default_weight_loader)
-    layer.weight.weight_loader(layer.weight, weight)
-    quant.process_weights_after_loading(layer)
+    layer = on_the_fly_layer(quant, weight, [1024], torch.bfloat16)
     x = torch.randn(3, 2048, device="cuda").to(torch.bfloat16)
     assert_w4a16(quant.apply(layer, x), x, linear.quantize_weight(weight))
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
+from tests.quant.quartet2.layers import nvfp4_fused_layer, on_the_fly_layer
 from turboquant_vllm.quant.quartet2 import config, linear, marlin, method, nvfp4
 
 
@@ -132,18 +133,13 @@ def w4a16(x, w, bias=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_marlin_path_on_the_fly_is_w4a16(marlin_on_cpu, one_rank, dtype):
     from vllm.model_executor.layers.linear import ReplicatedLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     config = method.Quartet2Config()
     assert config.path == "marlin"
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "model.layers.0.mlp.down_proj")
     gen = torch.Generator().manual_seed(8)
     w = (torch.randn(96, 160, generator=gen) * 0.05).to(dtype).to(DEVICE)
-    layer = torch.nn.Module()
-    with torch.device(DEVICE):
-        quant.create_weights(layer, 160, [96], 160, 96, dtype, weight_loader=default_weight_loader)
-    layer.weight.weight_loader(layer.weight, w)
-    quant.process_weights_after_loading(layer)
+    layer = on_the_fly_layer(quant, w, [96], dtype)
     want_w = linear.quantize_weight(w)
     assert not hasattr(layer, "weight") and not hasattr(layer, "weight_packed")
     assert marlin_on_cpu["dtype"] == dtype and (marlin_on_cpu["n"], marlin_on_cpu["k"]) == (96, 160)
@@ -162,23 +158,13 @@ def test_the_marlin_path_on_the_fly_is_w4a16(marlin_on_cpu, one_rank, dtype):
 def test_the_marlin_path_reads_fused_nvfp4_parts_exactly(marlin_on_cpu, one_rank):
     """A CloverLM fused layer (parts of their own tensor scales) on the marlin path: each part's W4A16 output."""
     from vllm.model_executor.layers.linear import ReplicatedLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    from turboquant_vllm.quant.quartet2 import checkpoint
     from tests.quant.quartet2.test_method import CLOVERLM_NVFP4
 
     config = method.Quartet2Config.from_config(CLOVERLM_NVFP4)
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "transformer.blocks.0.mhsa.lqkv")
     stored = [quantized(128, 128, 9 + i, scale) for i, scale in enumerate((0.02, 0.5))]
-    layer = torch.nn.Module()
-    with torch.device(DEVICE):
-        quant.create_weights(layer, 128, [128, 128], 128, 256, torch.bfloat16, weight_loader=default_weight_loader)
-    for i, q in enumerate(stored):
-        layer.weight.load_merged_column_weight(q.packed, shard_offset=128 * i, shard_size=128)
-        layer.weight_scale.load_merged_column_weight(checkpoint.block_scales(q.scales), shard_offset=128 * i,
-                                                     shard_size=128)
-        layer.weight_scale_2.load_merged_column_weight(q.tensor_scale.reshape(1), shard_id=i)
-    quant.process_weights_after_loading(layer)
+    layer = nvfp4_fused_layer(quant, stored)
     ts = torch.cat([q.tensor_scale.expand(128) for q in stored])
     assert torch.equal(layer.marlin_channel_scale * marlin_on_cpu["global_scale"], ts)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16).to(DEVICE)

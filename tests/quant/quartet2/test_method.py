@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
+from tests.quant.quartet2.layers import nvfp4_fused_layer, on_the_fly_layer
 from turboquant_vllm.quant.quartet2 import config, linear, method
 
 
@@ -80,7 +81,6 @@ def test_quantized_checkpoints_are_refused(emulate):
 
 def test_a_layer_loads_quantizes_and_applies_as_the_emulation(emulate, one_rank):
     from vllm.model_executor.layers.linear import ReplicatedLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     config = method.Quartet2Config()
     assert isinstance(config.get_quant_method(object.__new__(ReplicatedLinear), "model.layers.0.mlp"),
@@ -88,12 +88,8 @@ def test_a_layer_loads_quantizes_and_applies_as_the_emulation(emulate, one_rank)
     assert config.get_quant_method(torch.nn.Embedding(4, 4), "model.embed_tokens") is None
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(48, 64, generator=gen) * 0.05).to(torch.bfloat16).to(DEVICE)
-    layer = torch.nn.Module()
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "")
-    with torch.device(DEVICE):
-        quant.create_weights(layer, 64, [32, 16], 64, 48, torch.bfloat16, weight_loader=default_weight_loader)
-    layer.weight.weight_loader(layer.weight, w)
-    quant.process_weights_after_loading(layer)
+    layer = on_the_fly_layer(quant, w, [32, 16], torch.bfloat16)
     assert not hasattr(layer, "weight") and layer.weight_packed.shape == (48, 32)
     x = torch.randn(5, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     bias = torch.randn(48, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -137,9 +133,6 @@ def test_a_fused_layer_reads_the_nvfp4_checkpoint(emulate, one_rank):
     """Two parts of 128 rows, each quantized with its own tensor scale and stored as the converter stores them, loaded
     as a merged column-parallel layer loads them: the output is each part's emulation, side by side."""
     from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    from turboquant_vllm.quant.quartet2 import checkpoint
 
     config = method.Quartet2Config.from_config(CLOVERLM_NVFP4)
     assert isinstance(config.get_quant_method(object.__new__(ReplicatedLinear), "transformer.linear"),
@@ -147,19 +140,8 @@ def test_a_fused_layer_reads_the_nvfp4_checkpoint(emulate, one_rank):
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "transformer.blocks.0.mhsa.lqkv")
     gen = torch.Generator().manual_seed(1)
     parts = [torch.randn(128, 128, generator=gen) * scale for scale in (0.02, 0.5)]
-    layer = torch.nn.Module()
-    with torch.device(DEVICE):
-        quant.create_weights(layer, 128, [128, 128], 128, 256, torch.bfloat16, weight_loader=default_weight_loader)
-    stored = []
-    for i, w in enumerate(parts):
-        q = linear.quantize_weight(w.to(DEVICE))
-        stored.append(q)
-        layer.weight.load_merged_column_weight(q.packed.view(torch.float4_e2m1fn_x2).view(torch.uint8),
-                                               shard_offset=128 * i, shard_size=128)
-        layer.weight_scale.load_merged_column_weight(checkpoint.block_scales(q.scales), shard_offset=128 * i,
-                                                     shard_size=128)
-        layer.weight_scale_2.load_merged_column_weight(q.tensor_scale.reshape(1), shard_id=i)
-    quant.process_weights_after_loading(layer)
+    stored = [linear.quantize_weight(w.to(DEVICE)) for w in parts]
+    layer = nvfp4_fused_layer(quant, stored, codes=lambda p: p.view(torch.float4_e2m1fn_x2).view(torch.uint8))
     assert not hasattr(layer, "weight_scale") and layer.weight_tensor_scale.shape == (256,)
     x = torch.randn(3, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     want = torch.cat([linear.emulated_linear(x, q) for q in stored], dim=-1)

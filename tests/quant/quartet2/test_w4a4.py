@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
+from tests.quant.quartet2.layers import nvfp4_fused_layer, on_the_fly_layer
 from turboquant_vllm.quant.quartet2 import checkpoint, config, linear, method, nvfp4, w4a4
 
 
@@ -164,18 +165,13 @@ def on_blackwell(monkeypatch, fake_kernel):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_method_on_the_w4a4_path_is_the_emulation(on_blackwell, one_rank, dtype):
     from vllm.model_executor.layers.linear import ReplicatedLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     config = method.Quartet2Config()
     assert config.path == "w4a4"
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "model.layers.0.self_attn.qkv_proj")
     gen = torch.Generator().manual_seed(11)
     w = (torch.randn(48, 96, generator=gen) * 0.05).to(dtype).to(DEVICE)
-    layer = torch.nn.Module()
-    with torch.device(DEVICE):
-        quant.create_weights(layer, 96, [32, 16], 96, 48, dtype, weight_loader=default_weight_loader)
-    layer.weight.weight_loader(layer.weight, w)
-    quant.process_weights_after_loading(layer)
+    layer = on_the_fly_layer(quant, w, [32, 16], dtype)
     assert not hasattr(layer, "weight") and not hasattr(layer, "weight_packed")
     assert tuple(layer.w4a4_weight.shape) == (64, 48) and tuple(layer.w4a4_weight_scale.shape) == (128, 8)
     assert layer.w4a4_channel_scale.shape == (48,)  # q / k parts: a tensor scale each
@@ -189,7 +185,6 @@ def test_the_method_on_the_w4a4_path_is_the_emulation(on_blackwell, one_rank, dt
 def test_the_w4a4_path_reads_fused_nvfp4_checkpoints(on_blackwell, one_rank):
     """A CloverLM fused layer, two parts of their own tensor scales: each part's emulation, side by side."""
     from vllm.model_executor.layers.linear import ReplicatedLinear
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     from tests.quant.quartet2.test_method import CLOVERLM_NVFP4
 
@@ -198,15 +193,7 @@ def test_the_w4a4_path_reads_fused_nvfp4_checkpoints(on_blackwell, one_rank):
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "transformer.blocks.0.mhsa.lqkv")
     gen = torch.Generator().manual_seed(12)
     stored = [linear.quantize_weight((torch.randn(128, 128, generator=gen) * s).to(DEVICE)) for s in (0.02, 0.5)]
-    layer = torch.nn.Module()
-    with torch.device(DEVICE):
-        quant.create_weights(layer, 128, [128, 128], 128, 256, torch.bfloat16, weight_loader=default_weight_loader)
-    for i, q in enumerate(stored):
-        layer.weight.load_merged_column_weight(q.packed, shard_offset=128 * i, shard_size=128)
-        layer.weight_scale.load_merged_column_weight(checkpoint.block_scales(q.scales), shard_offset=128 * i,
-                                                     shard_size=128)
-        layer.weight_scale_2.load_merged_column_weight(q.tensor_scale.reshape(1), shard_id=i)
-    quant.process_weights_after_loading(layer)
+    layer = nvfp4_fused_layer(quant, stored)
     x = torch.randn(3, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     want = torch.cat([linear.emulated_linear(x, q) for q in stored], dim=-1)
     check_close(quant.apply(layer, x), want, torch.bfloat16)
