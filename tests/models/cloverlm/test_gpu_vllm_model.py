@@ -5,7 +5,8 @@ ops: the CUDA RoPE kernel on fp32 Q and K), and with `-q quartet2` (NVFP4 weight
 Compared: the log-probability of every prompt token (prefill) and of every greedily generated token (decode, where
 the CUDA graphs replay), each against the reference's fp32 log-probability of that token after the same prefix; the
 greedy choices against the reference's best (up to bf16 near-ties). quartet2 is compared with the reference run on
-its NVFP4 weights dequantized (what W4A16 computes, up to bf16), and reported against the bf16 reference.
+its NVFP4 weights dequantized (what W4A16 computes, up to bf16), and reported against the bf16 reference. With two
+GPUs, graphs and quartet2 again at tensor parallel 2.
 
     python -m pytest -q -s tests/models/cloverlm/test_gpu_vllm_model.py
 """
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.gpu
 SHAPE = ref.CloverLMShape(vocab_size=512, num_blocks=2, heads=4, d_head=64, ratio=2, max_context=256)
 PROMPT_LENGTHS, GENERATED = (17, 50, 96, 130), 24
 QUANTIZED = ("lq.weight", "lk.weight", "lv.weight", "lo.weight", "l1.0.weight", "l2.weight")
+ROW_PARALLEL = ("lo.weight", "l2.weight")
 
 ENGINE = """
 import json, sys
@@ -93,34 +95,43 @@ def compare(w: dict[str, torch.Tensor], prompts: list[list[int]], served: list[d
                 decode_max=decode.max().item(), greedy_shortfall=shortfall.max().item())
 
 
-def nvfp4_weights(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The linears' weights through quartet2's NVFP4 quantization and back (what Marlin's W4A16 multiplies by)."""
+def nvfp4_weights(w: dict[str, torch.Tensor], tp: int = 1) -> dict[str, torch.Tensor]:
+    """The linears' weights through quartet2's NVFP4 quantization and back (what Marlin's W4A16 multiplies by), one
+    shard of each tensor-parallel rank at a time (a rank scales its shard alone): column-parallel layers split their
+    output rows, row-parallel ones (lo, l2) their input columns."""
     from turboquant_vllm.quant.quartet2 import linear
 
     out = dict(w)
     for k, v in w.items():
         if k.endswith(QUANTIZED):
-            q = linear.quantize_weight(v.to(DEVICE))
-            out[k] = (linear.unscaled_values(q.packed, q.scales) * q.tensor_scale.float()).to(v.dtype).cpu()
+            shards = v.to(DEVICE).chunk(tp, dim=1 if k.endswith(ROW_PARALLEL) else 0)
+            deq = [(linear.unscaled_values(q.packed, q.scales) * q.tensor_scale.float())
+                   for q in map(linear.quantize_weight, shards)]
+            out[k] = torch.cat(deq, dim=1 if k.endswith(ROW_PARALLEL) else 0).to(v.dtype).cpu()
     return out
 
 
-def test_cloverlm_served_by_vllm_matches_the_reference(tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cloverlm_served_by_vllm_matches_the_reference(tmp_path, tp):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
     w = weights()
     model_dir = write_checkpoint(SHAPE, w, tmp_path / "cloverlm-small")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, SHAPE.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    runs = {"graphs": serve(model_dir, {}, prompts), "eager": serve(model_dir, dict(enforce_eager=True), prompts),
-            "quartet2": serve(model_dir, dict(quantization="quartet2"), prompts)}
+    # tensor parallel 2: each rank holds half the heads and quantizes its own shard (its own tensor scales)
+    par = {"tensor_parallel_size": tp} if tp > 1 else {}
+    runs = {"graphs": serve(model_dir, par, prompts), "quartet2": serve(model_dir, dict(quantization="quartet2", **par),
+                                                                      prompts)}
+    if tp == 1:
+        runs["eager"] = serve(model_dir, dict(enforce_eager=True), prompts)
     found = {k: compare(w, prompts, r) for k, r in runs.items() if k != "quartet2"}
     found["quartet2 vs bf16 reference"] = compare(w, prompts, runs["quartet2"])
-    found["quartet2 vs NVFP4 reference"] = compare(nvfp4_weights(w), prompts, runs["quartet2"])
+    found["quartet2 vs NVFP4 reference"] = compare(nvfp4_weights(w, tp), prompts, runs["quartet2"])
     for k, f in found.items():
-        print(f"\n{k}: " + ", ".join(f"{n} {v:.4f}" for n, v in f.items()))
+        print(f"\ntensor parallel {tp}, {k}: " + ", ".join(f"{n} {v:.4f}" for n, v in f.items()))
     # bf16 (CPU, vLLM's layers, SDPA for the attention): mean 0.03, max 0.2; a Q scale off by 25 %: mean 0.75
-    for k in ("graphs", "eager", "quartet2 vs NVFP4 reference"):
+    for k in [k for k in ("graphs", "eager", "quartet2 vs NVFP4 reference") if k in found]:
         f = found[k]
         assert f["prefill_mean"] < 0.08 and f["decode_mean"] < 0.08, (k, f)
         assert f["prefill_max"] < 0.5 and f["decode_max"] < 0.5, (k, f)
