@@ -15,14 +15,21 @@ A configuration is one of CONFIGS, optionally with other bits in some layers: "t
 0,1,28,29" (5-bit keys, same values and centering there), "+ bf16 layers 12-28", "+ k5 layers top4" (the 4 layers
 where 5-bit keys save the most KL, measured as in 3), "+ sink key exact" (each window's first token, the attention
 sink, keeps its exact key in every layer: 2 d bytes a sequence, not counted per token; "+ first N keys exact": the
-first N tokens'). Each row's bytes per token
-per KV head average the layers.
+first N tokens'), "+ key bits by channel 5x24,4x16,3x24" (below). Each row's bytes per token per KV head average the
+layers.
 
 Key centering caches (k - m) / s: exact for softmax (q.m is the same for every key) and it takes out the mean that
 RoPE'd keys share. But attention-sink keys (e.g. a sequence's first token, which most heads attend to) are short
 and far from the mean: centering makes exactly those vectors long and their error large. Per-token centering
 ("adaptive", the stored format): each key is stored centered or not, whichever vector is shorter, the choice in
 the sign of its stored norm; scores subtract q.m for the uncentered ones.
+
+Key bits by channel (transform coding): with x_c = sqrt(E[q_c^2] E[(k_c - m_c)^2]) per layer and KV head, equal bits
+after calibration and rotation err in q.k by distortion(b, d) (sum_c x_c)^2 / d; bits matched to x (reverse
+water-filling) by d GM(x^2) distortion(b, d), (AM(x) / GM(x))^2 less. "+ key bits by channel 5x24,4x16,3x24" ranks
+the RoPE pairs (c, c + d/2) by x and gives the first 24 channels 5 bits, the next 16 4 bits, the last 24 3 bits: each
+group its own rotation, norm and codebook (the extra groups' norms counted as fp16, simulated in fp32). The results
+carry the predicted gain, per layer and KV head, of each such grouping and of the ideal allocation.
 
     python -m benchmarks key_centering --model DIR --wikitext wikitext2-test.txt [--windows 2 --seq-len 2048]
 """
@@ -41,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from reference_lm.model import Llama, ModelConfig, rope_cos_sin
+from turboquant_vllm.core.codebook import codebook
 from turboquant_vllm.core.packing import record_bytes
 from turboquant_vllm.core.presets import NORM_BYTES
 from turboquant_vllm.core.quantizer import Quantizer
@@ -62,6 +70,7 @@ CONFIGS = {  # name -> (key bits, value bits, key transform)
 }
 OVERRIDES = {"k5": lambda kb, vb, how: (5, vb, how), "bf16": lambda kb, vb, how: ("bf16", "bf16", "")}
 EXACT_KEYS = re.compile(r"sink key exact|first (\d+) keys exact")
+KEY_GROUPS = re.compile(r"key bits by channel (\d+x\d+(?:,\d+x\d+)*)")
 
 
 def exact_keys(name: str) -> int:
@@ -77,7 +86,7 @@ def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[
     base = layers_of_base(name)
     layers = dict.fromkeys(range(num_layers), base)
     for part in parts:
-        if EXACT_KEYS.fullmatch(part):
+        if EXACT_KEYS.fullmatch(part) or KEY_GROUPS.fullmatch(part):
             continue
         kind, spec = re.fullmatch(r"(\w+) layers (\S+)", part).groups()
         for item in spec.split(","):
@@ -94,11 +103,18 @@ def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[
 
 
 def layers_of_base(name: str) -> tuple:
-    return CONFIGS[name.split("+")[0].strip()]
+    """CONFIGS[base]; "+ key bits by channel SPEC" makes its key bits the groups ((bits, channels), ...) of SPEC."""
+    base = CONFIGS[name.split("+")[0].strip()]
+    for part in name.split("+")[1:]:
+        if groups := KEY_GROUPS.fullmatch(part.strip()):
+            base = (tuple(tuple(map(int, g.split("x"))) for g in groups.group(1).split(",")), *base[1:])
+    return base
 
 
 def side_bytes(bits, d: int) -> int:
     """Bytes of one cached K or V vector of dim d: b-bit codes + fp32 norm, fp8, or 16-bit (None: kept exact)."""
+    if isinstance(bits, tuple):  # channel groups: the first keeps the fp32 norm (its sign: centered or not), fp16 after
+        return sum(record_bytes(n, b) for b, n in bits) + NORM_BYTES + 2 * (len(bits) - 1)
     return d if bits == "fp8" else 2 * d if bits in (None, "bf16") else record_bytes(d, bits) + NORM_BYTES
 
 
@@ -121,7 +137,11 @@ def load(path: Path) -> Llama:
     return model.float().eval()
 
 
-def fake_quant(x: torch.Tensor, bits) -> torch.Tensor:
+def fake_quant(x: torch.Tensor, bits, order: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(bits, tuple):  # consecutive groups of the channels in `order`, each its own quantizer
+        order = order.expand_as(x)
+        y = x.gather(-1, order).split([n for _, n in bits], -1)
+        return torch.empty_like(x).scatter_(-1, order, torch.cat([fake_quant(g, b) for g, (b, _) in zip(y, bits)], -1))
     if bits is None:
         return x
     if bits == "fp8":
@@ -161,7 +181,8 @@ def forward(model: Llama, ids: torch.Tensor, hook=None, inputs: list | None = No
 
 
 def calibrate(model: Llama, ids: torch.Tensor) -> dict:
-    """layer -> (mean, scale), [1, kv_heads, 1, d]: core.calibration's s_c = (E[(k-m)^2] / E[q^2])^(1/4)."""
+    """layer -> (mean, scale, x), [1, kv_heads, 1, d]: core.calibration's s_c = (E[(k-m)^2] / E[q^2])^(1/4) and
+    x_c = sqrt(E[(k-m)^2] E[q^2]), what key bits by channel follow."""
     inputs, out = [], {}
     with torch.inference_mode():
         forward(model, ids, inputs=inputs)
@@ -172,21 +193,40 @@ def calibrate(model: Llama, ids: torch.Tensor) -> dict:
             var = (k - mean).pow(2).mean((0, 2), keepdim=True)
             qq = q.pow(2).view(q.shape[0], kv, -1, q.shape[2], d).mean((0, 2, 3))[None, :, None]
             log_s = 0.25 * (var.clamp_min(1e-12).log() - qq.clamp_min(1e-12).log())
-            out[i] = (mean, (log_s - log_s.mean(-1, keepdim=True)).exp())
+            out[i] = (mean, (log_s - log_s.mean(-1, keepdim=True)).exp(), (var * qq).sqrt())
     return out
+
+
+def channel_order(x: torch.Tensor) -> torch.Tensor:
+    """The channels (last axis) as RoPE pairs (c, c + d/2) side by side, the pairs by x_c + x_{c+d/2} descending."""
+    half = x.shape[-1] // 2
+    pairs = (x[..., :half] + x[..., half:]).argsort(-1, descending=True)
+    return torch.stack([pairs, pairs + half], -1).flatten(-2)
+
+
+def predicted_gain(x: torch.Tensor, groups: tuple | None = None, bits: int = 4) -> torch.Tensor:
+    """Key-logit error of `bits` bits everywhere after calibration and rotation over that of `groups` in
+    channel_order, per row of x: a group of n channels at b bits errs by distortion(b, n) (its sum of x)^2 / n.
+    Without groups the ideal allocation's at the same mean bits, (AM(x) / GM(x))^2."""
+    if groups is None:
+        return (x.mean(-1) / x.log().mean(-1).exp()) ** 2
+    parts = x.gather(-1, channel_order(x)).split([n for _, n in groups], -1)
+    err = sum(codebook(b, n).distortion * p.sum(-1) ** 2 / n for p, (b, n) in zip(parts, groups))
+    return codebook(bits, x.shape[-1]).distortion * x.sum(-1) ** 2 / x.shape[-1] / err
 
 
 def keys_through_cache(k: torch.Tensor, bits, how: str, cal: tuple | None) -> torch.Tensor:
     if bits is None or not how:
         return fake_quant(k, bits)
-    m, s = cal
+    m, s, x = cal
+    order = channel_order(x)
     centered = (k - m) / s
-    k_hat = fake_quant(centered, bits) * s + m
+    k_hat = fake_quant(centered, bits, order) * s + m
     if how == "adaptive":  # per token, whichever of (k - m) / s and k / s is shorter
         raw = k / s
         short = torch.linalg.vector_norm(raw, dim=-1, keepdim=True) < torch.linalg.vector_norm(centered, dim=-1,
                                                                                              keepdim=True)
-        k_hat = torch.where(short, fake_quant(raw, bits) * s, k_hat)
+        k_hat = torch.where(short, fake_quant(raw, bits, order) * s, k_hat)
     return k_hat
 
 
@@ -280,6 +320,16 @@ def markdown(doc: dict) -> str:
                   "window; the ranking behind topN: " + ",".join(str(i) for i in doc["ranking"]), "",
                   "| layer | k4 | k5 | gain |", "| ---: | ---: | ---: | ---: |"]
         lines += [f"| {x['layer']} | {x['k4']:.5f} | {x['k5']:.5f} | {x['gain']:.5f} |" for x in rows]
+    lines += ["", "Predicted key-logit error gain over equal bits, per layer and KV head, from the calibration's "
+              "x_c = sqrt(E[q_c^2] E[(k_c - m_c)^2]) (ideal: (AM(x) / GM(x))^2, real-valued bits per channel at "
+              "the same mean):", "",
+              "| key bits by channel | over equal bits | min | median | max | mean |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for row in doc["predicted_gain"]:
+        g = np.array(row["per_layer_head"])
+        spec = ",".join(f"{b}x{n}" for b, n in row["groups"]) if row["groups"] else "ideal"
+        stats = (g.min(), np.median(g), g.max(), g.mean())
+        lines += [f"| {spec} | {row['over_bits'] or 'same mean'} | " + " | ".join(f"{v:.2f}" for v in stats) + " |"]
     variants = [k for k in doc["attention_error"][0] if k != "layer"]
     lines += ["", "Attention output error through o_proj (relative energy), tq4 keys, values exact, one window:", "",
               "| layer | " + " | ".join(variants) + " |", "| ---: |" + " ---: |" * len(variants)]
@@ -313,6 +363,11 @@ def main(argv: list[str] | None = None) -> dict:
     doc = {"command": command, "model": args.model.name, "windows": args.windows, "calib_windows": args.calib_windows,
            "seq_len": args.seq_len, "attention_error": attention_error(model, windows[:1], cal)}
     names, ranking = args.only.split(";"), None
+    x = torch.cat([c[2].flatten(0, 2) for c in cal.values()]).double()  # (layers x KV heads, d), layer-major
+    groupings = [(None, None)] + list(dict.fromkeys((layers_of_base(n)[0], CONFIGS[n.split("+")[0].strip()][0])
+                                                 for n in names if KEY_GROUPS.search(n)))
+    doc["predicted_gain"] = [{"groups": g, "over_bits": b, "per_layer_head": predicted_gain(x, g, b).tolist()}
+                             for g, b in groupings]
     if any("top" in name for name in names):  # ranked on a calibration window: not the scored ones
         doc["key_bits_per_layer"] = key_bits_per_layer(model, calib[:1], cal)
         ranking = doc["ranking"] = sorted(range(len(cal)), key=lambda i: -doc["key_bits_per_layer"][i]["gain"])

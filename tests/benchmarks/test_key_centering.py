@@ -1,6 +1,7 @@
 """key_centering's per-layer configurations: the parser and the bytes a configuration costs."""
 
 import pytest
+import torch
 
 from benchmarks import key_centering as kc
 
@@ -35,3 +36,39 @@ def test_exact_first_keys_are_a_count_beside_the_layers():
     assert layers == kc.parse(f"{BASE} + k5 layers 3", 6)  # the layers' bits are untouched
     assert kc.bytes_per_token(kc.parse(f"{BASE} + sink key exact", 30), 64) == 72.0  # per sequence, not per token
     assert kc.parse(f"{BASE} + first 4 keys exact", 6) == kc.parse(BASE, 6)
+
+
+def test_key_bits_by_channel_parse_into_groups_and_count_their_norms():
+    name = f"{BASE} + key bits by channel 5x24,4x16,3x24"
+    groups = ((5, 24), (4, 16), (3, 24))
+    assert kc.layers_of_base(name) == (groups, *kc.CONFIGS[BASE][1:])
+    assert kc.parse(f"{name} + sink key exact", 3) == dict.fromkeys(range(3), kc.layers_of_base(name))
+    assert kc.parse(f"{name} + k5 layers 1", 3)[1][0] == 5  # a layer override replaces the groups
+    # 32 B of codes as tq4's, its fp32 norm, 2 fp16 norms for the 2 extra groups; values tq4 (36 B)
+    assert kc.bytes_per_token(kc.parse(name, 30), 64) == 72.0 + 4
+
+
+def test_channel_order_keeps_rope_pairs_together_by_weight():
+    x = torch.tensor([[1.0, 5.0, 2.0, 0.5, 1.0, 0.0, 2.5, 9.0]])  # pairs (0,4) 2.0, (1,5) 5.0, (2,6) 4.5, (3,7) 9.5
+    assert kc.channel_order(x).tolist() == [[3, 7, 1, 5, 2, 6, 0, 4]]
+
+
+def test_grouped_fake_quant_quantizes_each_group_on_its_own():
+    x, order = torch.randn(2, 3, 64), kc.channel_order(torch.rand(64))
+    groups = ((5, 24), (4, 16), (3, 24))
+    got = kc.fake_quant(x, groups, order)
+    for start, (b, n) in zip((0, 24, 40), groups):
+        idx = order[start:start + n]
+        torch.testing.assert_close(got[..., idx], kc.fake_quant(x[..., idx], b))
+
+
+def test_predicted_gain_of_bits_by_channel():
+    flat = torch.ones(64, dtype=torch.float64)
+    assert kc.predicted_gain(flat).item() == pytest.approx(1.0)
+    skewed = torch.cat([torch.full((32,), 4.0), torch.ones(32)]).double()
+    assert kc.predicted_gain(skewed).item() == pytest.approx((2.5 / 2.0) ** 2)  # (AM / GM)^2
+    assert kc.predicted_gain(torch.stack([flat, skewed]), ((4, 64),)).tolist() == pytest.approx([1.0, 1.0])
+    # equal x: spreading the bits unevenly only loses; skewed x: more bits where x is large gain
+    assert kc.predicted_gain(flat, ((5, 32), (3, 32))).item() < 1.0
+    assert kc.predicted_gain(torch.cat([skewed[:16], skewed[32:48], skewed[16:32], skewed[48:]]),
+                             ((5, 32), (3, 32))).item() > 1.0
