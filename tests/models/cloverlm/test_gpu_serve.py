@@ -9,7 +9,7 @@ Runs, each a fresh vLLM (CUDA graphs on, max_model_len 256, GPU memory 0.3), its
   offline_bf16     `turboquant-vllm cloverlm BF16 --tp N --prompt ...`: exit 0, one non-empty generation a prompt
   offline_nvfp4    the NVFP4 checkpoint offline (--tp 1; with --tp > 1 the command must refuse it, exit 2)
   api_*            `... BF16 --tp N --api --port P`: /v1/models names the directory; a completion, a chat completion
-                   (the checkpoint's chat template: completing the rendered template gives the same text) and a
+                   (the checkpoint's chat template: completing the rendered template gives the same tokens) and a
                    stream (its chunks make the non-streamed greedy text), then SIGTERM stops the server before
                    the grace period ends (no SIGKILL needed) and the port is closed
   tq4_api_*        the same server and checks with --kv-preset tq4 (TurboQuant KV cache, attention backend CUSTOM)
@@ -126,12 +126,12 @@ def client_for(base_url: str):
     return OpenAI(base_url=f"{base_url}/v1", api_key="x", timeout=120.0, max_retries=0)
 
 
-def greedy(**kw) -> dict:
+def greedy(**extra_body) -> dict:
     """Greedy, never cut short by EOS, special tokens kept in the text (a random model may pick only those), and a
     cache salt of its own: each request prefills every prompt token (a prefix-cache hit computes the rest otherwise,
     which may turn a near-tie of a random model)."""
     return dict(max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True, "skip_special_tokens": False,
-                                                                    "cache_salt": uuid.uuid4().hex}, **kw)
+                                                                    "cache_salt": uuid.uuid4().hex, **extra_body})
 
 
 def check_models(base_url: str, model: str, model_dir: Path) -> dict:
@@ -147,15 +147,19 @@ def check_completion(base_url: str, model: str, model_dir: Path) -> dict:
 
 
 def check_chat(base_url: str, model: str, model_dir: Path) -> dict:
-    """The chat answer is the completion of the checkpoint's chat template rendered (tokenizer_config.json)."""
+    """The chat answer is the completion of the checkpoint's chat template rendered (tokenizer_config.json), token
+    for token (a random model may pick tokens whose text is empty)."""
     client = client_for(base_url)
     messages = [{"role": "user", "content": PROMPTS[1]}]
-    chat = client.chat.completions.create(model=model, messages=messages, **greedy()).choices[0]
+    ids = {"return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(model=model, messages=messages, logprobs=True, **greedy(**ids)).choices[0]
     rendered = render_chat(model_dir, messages)
-    plain = client.completions.create(model=model, prompt=rendered, **greedy()).choices[0]
+    plain = client.completions.create(model=model, prompt=rendered, logprobs=0, **greedy(**ids)).choices[0]
+    tokens, plain_tokens = [t.token for t in chat.logprobs.content], plain.logprobs.tokens
     answer = chat.message.content or ""
-    assert answer.strip() and answer == plain.text, dict(chat=answer, completion=plain.text, rendered=rendered)
-    return dict(rendered=rendered, answer=answer)
+    assert len(tokens) == MAX_TOKENS and tokens == plain_tokens and answer == plain.text, dict(
+        chat=answer, completion=plain.text, rendered=rendered, chat_tokens=tokens, completion_tokens=plain_tokens)
+    return dict(rendered=rendered, answer=answer, tokens=tokens)
 
 
 def check_streaming(base_url: str, model: str, model_dir: Path) -> dict:
