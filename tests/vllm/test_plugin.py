@@ -78,6 +78,7 @@ def test_vllm_plugin_loader_registers_us_without_cuda(tmp_path):
             "cuda_initialized": torch.cuda.is_initialized(),
             "backend_imported": "turboquant_vllm.vllm.backend" in sys.modules,
             "kernels_imported": "turboquant_vllm.ops" in sys.modules,
+            "vllm_internals_imported": "turboquant_vllm.vllm.compat" in sys.modules,
         }))
         """,
         tmp_path,
@@ -88,6 +89,7 @@ def test_vllm_plugin_loader_registers_us_without_cuda(tmp_path):
         "cuda_initialized": False,
         "backend_imported": False,
         "kernels_imported": False,
+        "vllm_internals_imported": False,
     }
 
 

@@ -51,12 +51,15 @@ def register() -> None:
         return
     preset = resolve_preset(None)  # raises ValueError naming the valid presets
     _registered = True
-    try:
-        from . import compat  # the version gate: raises outside the tested range
+    # The version gate alone: compat's imports of vLLM's attention internals (~0.35 s, ~200 modules in a process that
+    # never attends, e.g. the API server) wait until the backend resolves.
+    from .requirements import UnsupportedVLLMVersion, check_vllm_version
 
-        logger.debug("turboquant-vllm registered as the CUSTOM attention backend (vLLM %s, preset %s)",
-                     compat.installed_vllm_version(), preset.name)
-    except (RuntimeError, ImportError) as exc:  # the gate's UnsupportedVLLMVersion, or a moved vLLM API
+    try:
+        version = check_vllm_version()
+        logger.debug("turboquant-vllm registered as the CUSTOM attention backend (vLLM %s, preset %s)", version,
+                     preset.name)
+    except UnsupportedVLLMVersion as exc:
         logger.warning("turboquant-vllm: %s", exc)
 
 
