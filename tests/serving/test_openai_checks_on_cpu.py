@@ -12,30 +12,44 @@ import pytest
 from tests.serving import fake_vllm
 from tests.serving import test_gpu_openai_server as srv
 
-API_CHECKS = [name for name in srv.CHECKS if name != "bad_preset_fails_at_startup"]
+REFUSALS = ("bad_preset_fails_at_startup", "bad_calibration_fails_at_startup")  # `vllm serve` exiting at startup
+API_CHECKS = [name for name in srv.CHECKS if name not in REFUSALS]
+
+
+class FakeServer(srv.Server):
+    """A stand-in server started in this process (fake_vllm on a free port); kill and stop shut it down."""
+
+    httpd = None
+
+    def start(self) -> FakeServer:
+        self.httpd, self.port = fake_vllm.serve(self.model)
+        self.startup_s = 0.0
+        return self
+
+    def stop(self) -> None:
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None
+
+    kill = stop
 
 
 @pytest.fixture
 def fake_run(tmp_path, monkeypatch):
-    """srv.RUN with a fake "tq" and "flash" server already up (and the fresh greedy round done)."""
+    """srv.RUN whose servers are stand-ins, the "tq" one up (and the fresh greedy round done)."""
     pytest.importorskip("openai")
     model = tmp_path / "model"
     fake_vllm.write_model_dir(model)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     run = srv.Run()
     run.model, run.log_dir = str(model), tmp_path / "logs"
-    httpds = []
-    for name in ("tq", "flash"):
-        httpd, port = fake_vllm.serve(str(model))
-        server = srv.Server(name, str(model), None, None, run.log_dir)
-        server.port = port
-        run.servers[name] = server
-        httpds.append(httpd)
+    run.start_server = lambda name, backend, preset, extra=(): FakeServer(name, str(model), backend, preset,
+                                                                          run.log_dir, extra).start()
     monkeypatch.setattr(srv, "RUN", run)
-    run.fresh = srv.greedy_outputs(run.servers["tq"], salt="fresh")
+    run.server()
     yield run
-    for httpd in httpds:
-        httpd.shutdown()
-        httpd.server_close()
+    run.stop_all()
 
 
 @pytest.mark.parametrize("name", API_CHECKS)
@@ -102,3 +116,67 @@ def test_bad_preset_check_against_the_real_vllm_serve(tmp_path, monkeypatch):
     record = srv.run_check("bad_preset_fails_at_startup")
     assert record["passed"], record["details"]
     assert record["details"]["exit_status"] != 0 and "'bogus'" in record["details"]["line"]
+
+
+def test_the_new_server_checks_report_what_they_saw(fake_run):
+    restart = srv.run_check("sigkill_restart_from_warm_cache")["details"]
+    assert restart["identical"] == len(srv.PROMPTS) and restart["compiled_on_restart"] == []
+    assert "tq" in fake_run.servers and fake_run.servers["tq"].name == "tq-restarted"
+    presets = srv.run_check("every_preset_starts_and_answers")["details"]
+    from turboquant_vllm.core.presets import PRESETS
+
+    assert sorted(presets) == sorted(PRESETS) and all(len(d["texts"]) == 2 for d in presets.values())
+
+
+def test_a_restart_that_compiles_fails_the_check(fake_run, tmp_path):
+    real = FakeServer.start
+
+    def compiling(self):
+        (tmp_path / "triton" / f"kernel-of-{self.name}").mkdir(parents=True)
+        return real(self)
+
+    FakeServer.start = compiling
+    try:
+        record = srv.run_check("sigkill_restart_from_warm_cache")
+    finally:
+        FakeServer.start = real
+    assert not record["passed"] and "kernel-of-tq-restarted" in record["details"]["error"]
+
+
+def test_tokens_that_differ_without_graphs_fail_the_check(fake_run, monkeypatch):
+    real = fake_vllm.sample
+    monkeypatch.setattr(fake_vllm, "sample", lambda *a: [t + 1 for t in real(*a)])
+    record = srv.run_check("no_cuda_graphs_matches_graphs")
+    assert not record["passed"] and "identical" in record["details"]["error"]
+
+
+def test_a_preset_that_does_not_start_fails_the_check(fake_run):
+    real = fake_run.start_server
+
+    def refusing(name, *a, **kw):
+        if name == "preset-tq3":
+            raise RuntimeError("preset-tq3: server exited with status 1 before /health answered")
+        return real(name, *a, **kw)
+
+    fake_run.start_server = refusing
+    record = srv.run_check("every_preset_starts_and_answers")
+    assert not record["passed"] and "preset-tq3" in record["details"]["error"]
+
+
+@pytest.mark.parametrize("behaviour", ["refuses", "starts", "exits_silently"])
+def test_the_bad_calibration_check_needs_an_exit_naming_the_file(tmp_path, monkeypatch, behaviour):
+    """The check's own logic against stand-in commands: one that refuses as our settings do, one that keeps running
+    (it started), one that exits without the message."""
+    script = {"refuses": "import os, sys; sys.stderr.write('ValueError: key calibration file '"
+                         " + os.environ['TURBOQUANT_KEY_CALIBRATION'] + ' does not exist; make one with "
+                         "`turboquant-vllm calibrate`\\n'); sys.exit(1)",
+              "starts": "import time; time.sleep(30)",
+              "exits_silently": "import sys; sys.exit(1)"}[behaviour]
+    monkeypatch.setattr(srv, "serve_command", lambda *a, **kw: [srv.sys.executable, "-c", script])
+    monkeypatch.setattr(srv, "STARTUP_TIMEOUT_S", 3)
+    run = srv.Run()
+    run.model, run.log_dir = str(tmp_path / "model"), tmp_path / "logs"
+    run.log_dir.mkdir(parents=True)
+    monkeypatch.setattr(srv, "RUN", run)
+    record = srv.run_check("bad_calibration_fails_at_startup")
+    assert record["passed"] == (behaviour == "refuses"), record["details"]
