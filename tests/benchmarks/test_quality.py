@@ -469,12 +469,23 @@ def results_doc() -> dict:
 def test_targets_pass_and_fail():
     assert quality.targets(results_doc()["rows"]) == [
         ("tq4: PPL ≤ +1% vs bf16 and below turboquant_4bit_nc", True, "tq4 +0.75%, turboquant_4bit_nc +3.00%"),
+        ("tq4-cal: PPL ≤ +1% vs bf16 and below turboquant_4bit_nc", True,
+         "tq4-cal +0.60%, turboquant_4bit_nc +3.00%"),
         ("tq3: PPL ≤ +3% vs bf16 and below turboquant_3bit_nc", False, "tq3 +3.50%, turboquant_3bit_nc +5.00%"),
+        ("tq3-cal: PPL ≤ +3% vs bf16 and below turboquant_3bit_nc", None, "tq3-cal missing, turboquant_3bit_nc +5.00%"),
         ("needle: every row of ours ≥ bf16's", False, "bf16 1.000; below it: tq3 0.900"),
         ("tq4: KL ≤ 2x fp8's", True, "tq4 0.009, fp8 0.005 (1.80x)"),
+        ("tq4-cal: KL ≤ 2x fp8's", True, "tq4-cal 0.007, fp8 0.005 (1.40x)"),
         ("tq4+boundary: PPL ≤ +0.5% at ≤ 1.25x tq4's bytes", True, "+0.40% at 1.17x tq4's bytes (84.0 vs 72.0 B)")]
     rows = [r for r in results_doc()["rows"] if r["kv"] in ("bf16", "tq4")]  # the others missing: n/a
     assert [passed for _, passed, _ in quality.targets(rows)] == [None, None, True, None, None]
+
+
+def test_a_row_failed_part_way_keeps_its_figures_for_the_targets():
+    rows = [dict(r, error="TimeoutError: killed after 420 s") if r["kv"] == "turboquant_4bit_nc" else r
+            for r in results_doc()["rows"]]
+    assert quality.targets(rows)[0] == ("tq4: PPL ≤ +1% vs bf16 and below turboquant_4bit_nc", True,
+                                        "tq4 +0.75%, turboquant_4bit_nc +3.00%")
 
 
 def test_markdown_table():
