@@ -9,14 +9,16 @@ configuration. Calibration (mean m and scale s per layer and KV head, core.calib
    reference's, for keys raw, centered, centered with the first token exact, and per-token centered (below).
 2. KL(P_fp32 || Q) per position (full vocabulary) and the PPL change over --windows windows per configuration.
 3. with per-layer configurations (below): per layer, the KL when only that layer's keys are 4-bit vs 5-bit
-   (centered per token, values exact) on a calibration window, the ranking behind "topN".
+   (centered per token, values exact) and when only that layer is k5v4 centered per token, on a calibration
+   window: the rankings behind "topN".
 
 A configuration is one of CONFIGS, optionally with other bits in some layers: "tq4 centered per token + k5 layers
 0,1,28,29" (5-bit keys, same values and centering there), "+ bf16 layers 12-28", "+ k5 layers top4" (the 4 layers
-where 5-bit keys save the most KL, measured as in 3), "+ sink key exact" (each window's first token, the attention
-sink, keeps its exact key in every layer: 2 d bytes a sequence, not counted per token; "+ first N keys exact": the
-first N tokens'), "+ key bits by channel 5x24,4x16,3x24" (below). Each row's bytes per token per KV head average the
-layers.
+where 5-bit keys save the most KL, measured as in 3), "+ k4 layers top7" (4-bit keys where 5-bit ones save the
+least), "+ bf16 layers top2" (where k5v4 alone costs the most KL), "+ sink key exact" (each window's first token,
+the attention sink, keeps its exact key in every layer: 2 d bytes a sequence, not counted per token; "+ first N keys
+exact": the first N tokens'), "+ key bits by channel 5x24,4x16,3x24" (below). Each row's bytes per token per KV head
+average the layers; later parts override earlier ones.
 
 Key centering caches (k - m) / s: exact for softmax (q.m is the same for every key) and it takes out the mean that
 RoPE'd keys share. But attention-sink keys (e.g. a sequence's first token, which most heads attend to) are short
@@ -68,7 +70,8 @@ CONFIGS = {  # name -> (key bits, value bits, key transform)
     "tq3 centered per token": (3, 3, "adaptive"),
     "k5v4 centered per token": (5, 4, "adaptive"),
 }
-OVERRIDES = {"k5": lambda kb, vb, how: (5, vb, how), "bf16": lambda kb, vb, how: ("bf16", "bf16", "")}
+OVERRIDES = {"k5": lambda kb, vb, how: (5, vb, how), "k4": lambda kb, vb, how: (4, vb, how),
+             "bf16": lambda kb, vb, how: ("bf16", "bf16", "")}
 EXACT_KEYS = re.compile(r"sink key exact|first (\d+) keys exact")
 KEY_GROUPS = re.compile(r"key bits by channel (\d+x\d+(?:,\d+x\d+)*)")
 
@@ -79,9 +82,9 @@ def exact_keys(name: str) -> int:
     return max((int(m.group(1) or 1) for m in found if m), default=0)
 
 
-def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[int, tuple]:
-    """layer -> (key bits, value bits, key transform) of a configuration: CONFIGS[base] + "k5|bf16 layers SPEC"s,
-    SPEC a comma list of layers, ranges a-b and topN (the first N of ranking)."""
+def parse(name: str, num_layers: int, rankings: dict[str, list[int]] | None = None) -> dict[int, tuple]:
+    """layer -> (key bits, value bits, key transform) of a configuration: CONFIGS[base] + "k5|k4|bf16 layers SPEC"s,
+    SPEC a comma list of layers, ranges a-b and topN (the first N of rankings[k5|k4|bf16]); later parts win."""
     _, *parts = (part.strip() for part in name.split("+"))
     base = layers_of_base(name)
     layers = dict.fromkeys(range(num_layers), base)
@@ -91,9 +94,9 @@ def parse(name: str, num_layers: int, ranking: list[int] | None = None) -> dict[
         kind, spec = re.fullmatch(r"(\w+) layers (\S+)", part).groups()
         for item in spec.split(","):
             if item.startswith("top"):
-                if ranking is None:
-                    raise ValueError(f"{name!r}: topN needs the per-layer ranking")
-                picked = ranking[:int(item[3:])]
+                if rankings is None:
+                    raise ValueError(f"{name!r}: topN needs the per-layer rankings")
+                picked = rankings[kind][:int(item[3:])]
             else:
                 lo, _, hi = item.partition("-")
                 picked = range(int(lo), int(hi or lo) + 1)
@@ -252,28 +255,39 @@ def attention_error(model: Llama, ids: torch.Tensor, cal: dict) -> list[dict]:
     return rows
 
 
-def key_bits_per_layer(model: Llama, ids: torch.Tensor, cal: dict, bits=(4, 5), log=print) -> list[dict]:
-    """Per layer: KL(P_fp32 || Q) when only that layer's keys go through the cache (centered per token, values
-    exact) at each key width; "gain": what 5-bit keys there save over 4-bit ones."""
+LAYER_ALONE = {"k4": (4, None), "k5": (5, None), "k5v4": (5, 4)}  # column -> (key bits, value bits)
+
+
+def key_bits_per_layer(model: Llama, ids: torch.Tensor, cal: dict, log=print) -> list[dict]:
+    """Per layer: KL(P_fp32 || Q) when only that layer goes through the cache (keys centered per token) as each of
+    LAYER_ALONE; "gain": what 5-bit keys there save over 4-bit ones."""
     rows, inputs = [], []
     with torch.inference_mode():
         logp_ref = forward(model, ids, inputs=inputs)[:, :-1].log_softmax(-1)
         for i, x in enumerate(inputs):
             row = {"layer": i}
-            for b in bits:
-                def hook(j, k, v, b=b):
-                    return (keys_through_cache(k, b, "adaptive", cal[j]) if j == i else k), v
+            for col, (kb, vb) in LAYER_ALONE.items():
+                def hook(j, k, v, kb=kb, vb=vb):
+                    return (keys_through_cache(k, kb, "adaptive", cal[j]), fake_quant(v, vb)) if j == i else (k, v)
 
                 logp = forward(model, ids, hook, start=i, x=x)[:, :-1].log_softmax(-1)
-                row[f"k{b}"] = (logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item()
-            row["gain"] = row[f"k{bits[0]}"] - row[f"k{bits[-1]}"]
+                row[col] = (logp_ref.exp() * (logp_ref - logp)).sum(-1).mean().item()
+            row["gain"] = row["k4"] - row["k5"]
             rows.append(row)
             log(f"layer {i:2d}: " + "  ".join(f"{k} {v:.5f}" for k, v in row.items() if k != "layer"))
     return rows
 
 
+def rankings_of(rows: list[dict]) -> dict[str, list[int]]:
+    """The layers for "k5|k4|bf16 layers topN": where 5-bit keys save the most, the least, where k5v4 costs most."""
+    def by(key):
+        return [row["layer"] for row in sorted(rows, key=key)]
+
+    return {"k5": by(lambda r: -r["gain"]), "k4": by(lambda r: r["gain"]), "bf16": by(lambda r: -r["k5v4"])}
+
+
 def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str], log=print,
-               ranking: list[int] | None = None) -> dict:
+               rankings: dict[str, list[int]] | None = None) -> dict:
     refs, out = [], {}
     with torch.inference_mode():
         for ids in windows.split(1):
@@ -282,7 +296,7 @@ def kl_and_ppl(model: Llama, windows: torch.Tensor, cal: dict, names: list[str],
         ref_nll = float(np.mean([r[2] for r in refs]))
         out["reference"] = {"ppl": math.exp(ref_nll)}
         for name in names:
-            layers = parse(name, len(model.model.layers), ranking)
+            layers = parse(name, len(model.model.layers), rankings)
             t0, kls, nlls = time.perf_counter(), [], []
 
             def hook(i, k, v, layers=layers, n=exact_keys(name)):
@@ -316,10 +330,12 @@ def markdown(doc: dict) -> str:
               f"{','.join(map(str, r[n]['other_layers']))} |" for n in r if n != "reference"]
     if doc.get("key_bits_per_layer"):
         rows = doc["key_bits_per_layer"]
-        lines += ["", "KL when only one layer's keys are quantized (centered per token, values exact), one calibration "
-                  "window; the ranking behind topN: " + ",".join(str(i) for i in doc["ranking"]), "",
-                  "| layer | k4 | k5 | gain |", "| ---: | ---: | ---: | ---: |"]
-        lines += [f"| {x['layer']} | {x['k4']:.5f} | {x['k5']:.5f} | {x['gain']:.5f} |" for x in rows]
+        lines += ["", "KL when only one layer is quantized, keys centered per token (k4, k5: values exact; k5v4: "
+                  "values 4-bit), one calibration window; the rankings behind topN:", ""]
+        lines += [f"- {kind} layers: " + ",".join(map(str, ranked)) for kind, ranked in doc["rankings"].items()]
+        cols = [c for c in rows[0] if c != "layer"]
+        lines += ["", "| layer | " + " | ".join(cols) + " |", "| ---: |" + " ---: |" * len(cols)]
+        lines += [f"| {x['layer']} | " + " | ".join(f"{x[c]:.5f}" for c in cols) + " |" for x in rows]
     lines += ["", "Predicted key-logit error gain over equal bits, per layer and KV head, from the calibration's "
               "x_c = sqrt(E[q_c^2] E[(k_c - m_c)^2]) (ideal: (AM(x) / GM(x))^2, real-valued bits per channel at "
               "the same mean):", "",
@@ -362,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = common.command_line(NAME, argv)
     doc = {"command": command, "model": args.model.name, "windows": args.windows, "calib_windows": args.calib_windows,
            "seq_len": args.seq_len, "attention_error": attention_error(model, windows[:1], cal)}
-    names, ranking = args.only.split(";"), None
+    names, rankings = args.only.split(";"), None
     x = torch.cat([c[2].flatten(0, 2) for c in cal.values()]).double()  # (layers x KV heads, d), layer-major
     groupings = [(None, None)] + list(dict.fromkeys((layers_of_base(n)[0], CONFIGS[n.split("+")[0].strip()][0])
                                                  for n in names if KEY_GROUPS.search(n)))
@@ -370,8 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
                              for g, b in groupings]
     if any("top" in name for name in names):  # ranked on a calibration window: not the scored ones
         doc["key_bits_per_layer"] = key_bits_per_layer(model, calib[:1], cal)
-        ranking = doc["ranking"] = sorted(range(len(cal)), key=lambda i: -doc["key_bits_per_layer"][i]["gain"])
-    doc["results"] = kl_and_ppl(model, windows, cal, names, ranking=ranking)
+        rankings = doc["rankings"] = rankings_of(doc["key_bits_per_layer"])
+    doc["results"] = kl_and_ppl(model, windows, cal, names, rankings=rankings)
     doc["seconds"] = time.perf_counter() - t0
     meta = common.provenance(command)
     # beside the reference LM's diagnosis: benchmarks/results/quality_diagnosis/cpu-<model>-centering
