@@ -22,7 +22,8 @@ our message (the valid presets; the file and `turboquant-vllm calibrate`).
 On the GPU machine (the kit: .gpukit/tq/setup.sh; the model converted there first):
     python3 tests/serving/test_gpu_openai_server.py --model DIR [--out JSON] [--logs DIR] [WORD...]
     TURBOQUANT_SMOLLM2_DIR=DIR python3 -m pytest -m gpu tests/serving   # the same checks, no report
-(WORDs pick the checks whose names contain one; the fresh greedy round always runs first, at the server's start.)
+(WORDs pick the checks whose names contain one; the fresh greedy round always runs first, at the server's start;
+--merge keeps an earlier report's other checks, so a long list can run in parts.)
 Writes --out (default benchmarks/results/serving/<gpu>-openai-api[-PRESET].json): each check's name, passed and
 details, the fresh greedy outputs, the provenance.
 """
@@ -258,6 +259,17 @@ def assemble_report(records: list[dict], **context) -> dict:
     passed = sum(r["passed"] for r in records)
     return dict(checks=records, passed=passed, failed=len(records) - passed,
                 all_passed=bool(records) and passed == len(records), **context)
+
+
+def merge_records(earlier: dict, records: list[dict]) -> list[dict]:
+    """records, plus the checks of an earlier report (its JSON) that these do not repeat, each marked with the
+    command and commit that measured it; in CHECKS' order."""
+    meta = earlier.get("meta", {})
+    done = {r["name"] for r in records}
+    kept = [dict(r, measured_by=r.get("measured_by") or dict(command=meta.get("command"), commit=meta.get("commit")))
+            for r in earlier.get("checks", []) if r["name"] not in done]
+    order = {name: i for i, name in enumerate(CHECKS)}
+    return sorted(kept + records, key=lambda r: order.get(r["name"], len(order)))
 
 
 def default_out(preset: str) -> Path:
@@ -982,6 +994,8 @@ def main(argv: list[str] | None = None) -> int:
                                              "[-PRESET].json)")
     ap.add_argument("--logs", type=Path, help="the servers' logs (default: a temporary folder)")
     ap.add_argument("--serve-arg", action="append", default=[], help="one more `vllm serve` argument (both servers)")
+    ap.add_argument("--merge", action="store_true", help="keep the checks of an earlier --out that this run does not "
+                                                         "repeat (a long list run in parts)")
     args = ap.parse_args(argv)
     RUN.model, RUN.preset, RUN.extra = args.model or "", args.preset, tuple(args.serve_arg)
     if args.logs:
@@ -1002,9 +1016,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import common
 
     prog = "python tests/serving/test_gpu_openai_server.py"
+    out = args.out or default_out(RUN.preset)
+    if args.merge and out.exists():
+        records = merge_records(json.loads(out.read_text()), records)
     report = assemble_report(records, model=RUN.model, preset=RUN.preset, logs=str(RUN.log_dir),
                              fresh_greedy=RUN.fresh, serve_args=list(RUN.extra))
-    out = args.out or default_out(RUN.preset)
     common.write_json(out, report, common.provenance(" ".join([prog, *(argv if argv is not None else sys.argv[1:])])))
     print(json.dumps({r["name"]: r["passed"] for r in records}, indent=1))
     print(f"wrote {out}")

@@ -336,3 +336,16 @@ def test_wait_healthy_stops_when_the_server_dies_or_time_is_up(health_server):
         Health.ready_after = 2
         proc.kill()
         proc.wait()
+
+
+def test_merge_records_keeps_the_earlier_checks_not_rerun_in_check_order():
+    earlier = {"checks": [srv.check_record("endpoints", True, {}), srv.check_record("bad_preset_fails_at_startup",
+                                                                                    False, {"error": "old"})],
+               "meta": {"command": "python tests/serving/test_gpu_openai_server.py", "commit": "abc1234"}}
+    now = [srv.check_record("bad_preset_fails_at_startup", True, {}), srv.check_record("completion", True, {})]
+    merged = srv.merge_records(earlier, now)
+    assert [r["name"] for r in merged] == ["endpoints", "completion", "bad_preset_fails_at_startup"]
+    assert merged[0]["measured_by"] == {"command": "python tests/serving/test_gpu_openai_server.py",
+                                        "commit": "abc1234"}
+    assert merged[2]["passed"] and "measured_by" not in merged[2]
+    assert srv.assemble_report(merged)["all_passed"]
