@@ -28,6 +28,8 @@ BENCHMARKS = {
                      "forward)",
     "quality_transform_bound": "bound on what a learned linear transform of K or V could cut from the quantization "
                                "error (CPU)",
+    "codebook_polynomial": "the value codebook as an odd polynomial of the code (the decode on the FMA pipe): its "
+                           "distortion against the codebook in use (CPU)",
     "kernel_variants": "decode attention under launch variants (warps, tiles, registers, stages, splits) vs the launch "
                        "policy, with the error vs the reference (GPU)",
     "awq_gemm": "AWQ int4 GEMM: TurboMind's kernels vs vLLM's AWQ kernels and the dense matmul, per layer shape and "
