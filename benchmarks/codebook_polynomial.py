@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import optimize
 
-from turboquant_vllm.core.codebook import _distortion_per_coord, codebook, lloyd_max
+from turboquant_vllm.core.codebook import codebook, distortion_per_coord, lloyd_max
 
 from . import common
 
@@ -52,7 +52,7 @@ def fit(bits: int, dim: int, free: int) -> tuple[float, np.ndarray, float]:
         mags = np.exp(params[0]) * fp16_magnitudes(params[1:], levels)
         if not np.all(np.isfinite(mags)) or np.any(np.diff(mags) <= 0) or mags[0] <= 0:
             return 1.0  # not an ascending positive codebook
-        return _distortion_per_coord(mags, dim)
+        return distortion_per_coord(mags, dim)
 
     p0 = np.concatenate([[np.log(start[0])], start[1:] / start[0]])
     best = optimize.minimize(distortion, p0, method="Nelder-Mead",

@@ -90,7 +90,7 @@ def lloyd_max(bits: int, dim: int, iters: int = 2000, tol: float = 1e-15) -> Cod
     return Codebook(bits, dim, mags, 0.5 * (mags[1:] + mags[:-1]), mse)
 
 
-def _distortion_per_coord(mags: np.ndarray, dim: int) -> float:
+def distortion_per_coord(mags: np.ndarray, dim: int) -> float:
     """E[(T - Q(T))^2] for magnitudes mags with nearest-magnitude cells, under the exact marginal."""
     edges = np.concatenate([[0.0], 0.5 * (mags[1:] + mags[:-1]), [1.0]])
     mass = _cdf(edges[1:], dim) - _cdf(edges[:-1], dim)
@@ -112,7 +112,7 @@ def codebook(bits: int, dim: int) -> Codebook:
         step = cb.magnitudes[-1] / top
         mags = (np.clip(np.round(cb.magnitudes / step - 0.5), 0, 127) + 0.5) * step
         if np.all(np.diff(mags) > 0):
-            mse = _distortion_per_coord(mags, dim)
+            mse = distortion_per_coord(mags, dim)
             if best is None or mse < best[0]:
                 best = (mse, step, mags)
     mse, step, mags = best
