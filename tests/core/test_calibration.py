@@ -99,6 +99,10 @@ def test_bad_files_and_values_are_refused(tmp_path):
     save_file({"w": torch.zeros(2)}, str(other))
     with pytest.raises(ValueError, match="not a TurboQuant key calibration"):
         load_calibration(other)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="junk.safetensors is not a TurboQuant key calibration.*calibrate`"):
+        load_calibration(junk)
     with pytest.raises(ValueError, match="finite and positive"):
         KeyCalibration(torch.zeros(1, 4), torch.tensor([[1.0, 0.0, 1.0, 1.0]]))
     with pytest.raises(ValueError, match="kv_heads, head_dim"):

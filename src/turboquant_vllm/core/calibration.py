@@ -53,7 +53,8 @@ class KeyCalibration:
                 f"key mean and scale must both be (kv_heads, head_dim), got {tuple(self.mean.shape)} and "
                 f"{tuple(self.scale.shape)}"
             )
-        if not bool(torch.isfinite(self.mean).all()) or not bool((self.scale > 0).all() & torch.isfinite(self.scale).all()):
+        scale_ok = bool((self.scale > 0).all() & torch.isfinite(self.scale).all())
+        if not bool(torch.isfinite(self.mean).all()) or not scale_ok:
             raise ValueError("key mean must be finite and key scale finite and positive")
 
     @property
@@ -178,16 +179,19 @@ def save_calibration(path: str | Path, layers: dict[str, KeyCalibration], metada
 
 def load_calibration(path: str | Path) -> dict[str, KeyCalibration]:
     """Layer name -> KeyCalibration, from a file written by save_calibration."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"key calibration file {path} does not exist; make one with `turboquant-vllm calibrate`")
-    with safe_open(str(path), framework="pt") as f:
-        if (f.metadata() or {}).get("format") != FORMAT:
-            raise ValueError(f"{path} is not a TurboQuant key calibration ({FORMAT}); make one with "
-                             "`turboquant-vllm calibrate`")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    refused = f"{path} is not a TurboQuant key calibration ({FORMAT}); make one with `turboquant-vllm calibrate`"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("format") != FORMAT:
+                raise ValueError(refused)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as exc:  # not a safetensors file at all
+        raise ValueError(f"{refused} ({exc})") from None
     names = sorted({k.rsplit(".", 1)[0] for k in tensors})
     try:
         return {n: KeyCalibration(tensors[f"{n}.{_MEAN}"].float(), tensors[f"{n}.{_SCALE}"].float()) for n in names}
