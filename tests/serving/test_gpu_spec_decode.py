@@ -505,16 +505,10 @@ def run(args: argparse.Namespace, command: str) -> list[dict]:
     return done
 
 
-def missing_model(model: str | None) -> str | None:
-    run_ = srv.Run()
-    run_.model = model or ""
-    return run_.missing_model()
-
-
 if pytest is not None:
     def test_spec_decode_matches_greedy_quick(tmp_path):
         """The quick identity check on tq4 (ngram, decode CUDA graphs), its control and its logs in tmp_path."""
-        why = missing_model(os.environ.get(srv.MODEL_ENV))
+        why = srv.missing_model(os.environ.get(srv.MODEL_ENV))
         if why:
             pytest.skip(why)
         args = parse_args(["--quick", "--kv", "tq4", "--logs", str(tmp_path / "logs"),
@@ -533,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.child)
-    why = missing_model(args.model)
+    why = srv.missing_model(args.model)
     if why:
         print(f"skipped: {why}", file=sys.stderr)
         return 2
