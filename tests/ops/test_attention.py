@@ -257,3 +257,48 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
             else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24, 64) for p, d in got}
     assert got == want
     assert [decode_merge_rows(r) for r in (1, 32, 64, 65, 4096)] == [4, 4, 4, None, None]
+
+
+@pytest.mark.parametrize("preset,head_dim,dtype", [("tq4", 64, torch.bfloat16), ("tq3", 128, torch.float16),
+                                                   ("k4v3", 96, torch.bfloat16), ("k5v4", 64, torch.float16)])
+def test_verification_equals_decode_at_each_position(preset, head_dim, dtype):
+    """A speculative verification (K + 1 queries a sequence: their keys stored in one launch, then the general kernel)
+    gives each position what decoding it would (its token stored with the fused query rotation, then the decode
+    launch), to well within the kernels' rounding against the reference; short contexts, so one key too many or too
+    few in the causal mask moves the output by percents."""
+    gen = torch.Generator().manual_seed(head_dim + len(preset))
+    steps, seq_lens, group = 4, [4, 9, 23], 3
+    b = make_paged_batch(gen, preset, head_dim, 2, 16, seq_lens, dtype, DEVICE)
+    starts = [0, *accumulate(seq_lens)]
+    tail = [[starts[s + 1] - steps + i for s in range(len(seq_lens))] for i in range(steps)]  # step i's tokens
+    prefix = torch.tensor(sorted(set(range(starts[-1])) - {t for row in tail for t in row}), dtype=torch.long)
+    store_kv(b.keys[prefix], b.values[prefix], b.kv_cache, b.slot_mapping[prefix], b.layout)
+    query = torch.randn(len(seq_lens), steps, 2 * group, head_dim, generator=gen).mul(3).to(dtype).to(DEVICE)
+    scale = 1 / math.sqrt(head_dim)
+
+    cache = b.kv_cache.clone()
+    decoded = torch.full_like(query, float("nan"))
+    one_each = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    for i, tokens in enumerate(tail):
+        t = torch.tensor(tokens, device=DEVICE)
+        q = query[:, i].contiguous()
+        rotated = store_kv(b.keys[t], b.values[t], cache, b.slot_mapping[t], b.layout, query=q, query_scale=scale)
+        lens = b.seq_lens - (steps - 1 - i)
+        paged_attention(q, cache, b.layout, b.block_table, one_each, lens, max_query_len=1, scale=scale,
+                        out=decoded[:, i], rotated_query=rotated)
+
+    t = torch.tensor([tok for s in range(len(seq_lens)) for tok in (row[s] for row in tail)], device=DEVICE)
+    store_kv(b.keys[t], b.values[t], b.kv_cache, b.slot_mapping[t], b.layout)
+    assert torch.equal(b.kv_cache, cache), "the verification's keys stored differently from decoding's"
+    flat = query.reshape(-1, 2 * group, head_dim)
+    verified = torch.full_like(flat, float("nan"))
+    qsl = torch.arange(0, steps * len(seq_lens) + 1, steps, dtype=torch.int32, device=DEVICE)
+    paged_attention(flat, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=steps, scale=scale,
+                    out=verified)
+    ref = paged_attention_reference(flat, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, scale)
+
+    decoded = decoded.reshape(flat.shape)
+    assert not torch.isnan(verified).any() and not torch.isnan(decoded).any()
+    rel = lambda a, c: (torch.linalg.vector_norm(a.float() - c.float()) / torch.linalg.vector_norm(c.float())).item()  # noqa: E731
+    assert rel(verified, decoded) < 3e-3, (rel(verified, decoded), rel(verified, ref), rel(decoded, ref))
+    assert rel(verified, ref) < TOLERANCE[dtype] and rel(decoded, ref) < TOLERANCE[dtype]

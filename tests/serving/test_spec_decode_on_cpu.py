@@ -46,7 +46,8 @@ vllm:num_preemptions_total{engine="0",model_name="/tmp/smollm2"} 3.0
 def test_arguments_default_quick_and_refused(monkeypatch):
     real_find = importlib.util.find_spec
     a = spec.parse_args(["--model", "/m", "--data", "/d"])
-    assert a.kv_list == ["tq4", "tq3", "bf16"] and a.method_list == ["ngram" if real_find("numba") else "ngram_gpu"]
+    assert a.kv_list == ["tq4", "tq3", "bf16", "fp8"]
+    assert a.method_list == ["ngram" if real_find("numba") else "ngram_gpu"]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "numba" else real_find(name))
     assert spec.parse_args(["--model", "/m", "--methods", "auto,draft_model"]).method_list == ["ngram_gpu",
                                                                                              "draft_model"]
@@ -56,7 +57,7 @@ def test_arguments_default_quick_and_refused(monkeypatch):
                          "--max-tokens", "40"])
     assert q.kv_list == ["tq3"] and q.method_list == ["ngram", "draft_model"] and q.fast_graphs
     assert (q.repetitive + q.plain, q.max_tokens) == (200, 40)  # --quick still compares >= 200 prompts
-    for bad in (["--kv", "fp8"], ["--methods", "eagle"], ["--single", "500"], ["--prompt-lookup-min", "6"],
+    for bad in (["--kv", "int8"], ["--methods", "eagle"], ["--single", "500"], ["--prompt-lookup-min", "6"],
                 ["--max-tokens", "1"]):
         with pytest.raises(SystemExit):
             spec.parse_args(["--model", "/m", *bad])
@@ -74,9 +75,12 @@ def test_engine_and_speculative_configs_are_vllms():
     assert spec.speculative_config("draft_model", args)["model"] == "/m"
     ref = spec.engine_kwargs(spec.case_spec("tq4", None, args, Path("/p.json")))
     ngram = spec.engine_kwargs(spec.case_spec("bf16", "ngram", args, Path("/p.json")))
+    fp8 = spec.engine_kwargs(spec.case_spec("fp8", "ngram", args, Path("/p.json")))
     assert "speculative_config" not in ref and ngram["speculative_config"]["method"] == "ngram"
+    assert (ref["kv_cache_dtype"], ngram["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("auto", "auto", "fp8")
+    assert fp8["attention_config"] == {"backend": "FLASH_ATTN"}
     assert ref["attention_config"] == {"backend": "CUSTOM"} and ngram["attention_config"] == {"backend": "FLASH_ATTN"}
-    for kw in (ref, ngram):
+    for kw in (ref, ngram, fp8):
         e = EngineArgs(**kw)  # every key an engine argument
         assert e.cudagraph_metrics and not e.disable_log_stats and not e.enable_prefix_caching
         assert e.compilation_config.cudagraph_mode.name == "FULL_DECODE_ONLY"
@@ -152,11 +156,14 @@ class _Request:
 
 class StandInLLM:
     """greedy(prompt)[i] = crc32(prompt) + i, runner-up that + 1000, margin 0.05 at even positions, 2.0 at odd
-    ones; `flips` {(prompt index, position)} makes this engine take the runner-up there (and then go on from it)."""
+    ones; `flips` {(prompt index, position)} makes this engine take the runner-up there (and then go on from it);
+    `rebatch_flips` the same, only in batches of other sizes than the whole group's (the rebatched pass)."""
 
-    def __init__(self, prompts: list[str], flips=(), spec_counts: dict | None = None):
+    def __init__(self, prompts: list[str], flips=(), spec_counts: dict | None = None, rebatch_flips=(),
+                 group_sizes=()):
         self.index = {p: i for i, p in enumerate(prompts)}
         self.flips = set(flips)
+        self.rebatch_flips, self.group_sizes = set(rebatch_flips), set(group_sizes)
         self.calls: list[int] = []
         self.counters = spec_counts
 
@@ -169,13 +176,15 @@ class StandInLLM:
             self.counters.update(drafts=self.counters["drafts"] + len(prompts),
                                  draft_tokens=self.counters["draft_tokens"] + 3 * len(prompts),
                                  accepted=self.counters["accepted"] + 2 * len(prompts))
+        rebatched = len(prompts) > 1 and len(prompts) not in self.group_sizes
+        flips = self.flips | (self.rebatch_flips if rebatched else set())
         outs = []
         for p in prompts:
             base, i = zlib.crc32(p.encode()) % 100000, self.index.get(p, -1)
             toks, lps = [], []
             for pos in range(params.max_tokens):
                 greedy = base + pos + (7 if toks and toks[-1] >= 500000 else 0)
-                tok = greedy + 500000 if (i, pos) in self.flips else greedy
+                tok = greedy + 500000 if (i, pos) in flips else greedy
                 toks.append(tok)
                 margin = 0.05 if pos % 2 == 0 else 2.0
                 lps.append({tok: Logprob(-0.1, 1), tok + 500000: Logprob(-0.1 - margin, 2)})
@@ -211,17 +220,33 @@ def test_run_engine_on_a_stand_in(prompt_file):
     assert rep["runner_up"][0][0] == rep["tokens"][0][0] + 500000
     assert rep["spec"]["acceptance_rate"] == pytest.approx(2 / 3) and rep["spec"]["drafts"] == 6
     assert ref["groups"]["single"]["tokens"] == rep["tokens"][:3]
-    # warm-ups (two batches), the timed batches, three single runs, the logprobs pass (two batches, three singles)
-    assert llm.calls == [6, 5, 6, 5, 1, 1, 1, 6, 5, 1, 1, 1]
+    assert rep["rebatched_tokens"] == rep["tokens"] and "rebatched_tokens" not in ref["groups"]["single"]
+    # warm-ups (two batches), the timed batches, three single runs, the logprobs pass (two batches, three singles),
+    # the rebatched pass (each group in two halves)
+    assert llm.calls == [6, 5, 6, 5, 1, 1, 1, 6, 5, 1, 1, 1, 3, 3, 3, 2]
+    flipped = StandInLLM(prompts, rebatch_flips={(0, 1)}, group_sizes={6, 5})
+    again = spec.run_engine(flipped, spec.case_spec("tq4", None, args, path), lambda: "")["groups"]["repetitive"]
+    assert again["tokens"][0] != again["rebatched_tokens"][0] and again["tokens"][1:] == again["rebatched_tokens"][1:]
     spec_case = spec.case_spec("tq4", "ngram", args, path)
-    assert "runner_up" not in spec.run_engine(StandInLLM(prompts), spec_case, lambda: "")["groups"]["plain"]
+    plain = spec.run_engine(StandInLLM(prompts), spec_case, lambda: "")["groups"]["plain"]
+    assert "runner_up" not in plain and "rebatched_tokens" not in plain
+
+
+def test_within_rounding():
+    assert spec.within_rounding(0, 0) and spec.within_rounding(9, 0) and not spec.within_rounding(10, 0)
+    assert spec.within_rounding(97, 90) and spec.within_rounding(130, 90) and not spec.within_rounding(140, 90)
+    assert spec.divergent([[1, 2], [3]], [[1, 2], [4]]) == 1
 
 
 def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch):
-    """run(): every case's process replaced by a stand-in engine in this process; the speculative tq4 engine flips a
-    near tie (explained) and a confident token (unexplained); tq3's speculative engine is refused at startup."""
+    """run(): every case's process replaced by a stand-in engine in this process. tq4's speculative engine flips a
+    confident token in every prompt, and so does its rebatched greedy run in all but one (passed: rounding);
+    fp8's speculative engine flips every prompt, its rebatched run none (failed); bf16's flips one near tie
+    (explained, passed); tq3's speculative engine is refused at startup."""
     path, prompts = prompt_file
-    flips = {"tq4": {(0, 2), (7, 1)}, "bf16": {(1, 4)}}
+    every = {(i, 1) for i in range(len(prompts))}
+    flips = {"tq4": every, "fp8": every, "bf16": {(1, 4)}}
+    rebatch_flips = {"tq4": {(i, 1) for i in range(len(prompts) - 1)}}
 
     def run_child(cmd, env, log, timeout, tag):
         case = json.loads(Path(cmd[-1]).read_text())
@@ -231,7 +256,8 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
                           "ValueError: speculative decoding refused by a test\nRuntimeError: Engine core "
                           "initialization failed. See root cause above.\n"), "exit status 1"
         counters = dict(drafts=0, draft_tokens=0, accepted=0)
-        llm = StandInLLM(prompts, flips.get(case["kv"], ()) if case["method"] else (), counters)
+        llm = StandInLLM(prompts, flips.get(case["kv"], ()) if case["method"] else (), counters,
+                         rebatch_flips=rebatch_flips.get(case["kv"], ()), group_sizes={6, 5})
         row = spec.run_engine(llm, case, metrics_text=lambda: counters_text(counters))
         row.update(engine={"speculative_config": json.dumps(case["spec"])}, startup_s=1.0)
         table = "| 250 | 256 | 6 | FULL | 7 |\n| 12 | 16 | 4 | FULL | 2 |\n"
@@ -248,9 +274,11 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
     monkeypatch.setattr(spec.text_prompts, "spec_prompt_set", lambda *a, **k: json.loads(path.read_text()))
     entries = spec.run(args, "python tests/serving/test_gpu_spec_decode.py ...")
     by_kv = {e["kv"]: e for e in entries}
-    assert list(by_kv) == ["tq4", "tq3", "bf16"]
-    tq4 = by_kv["tq4"]
-    assert (tq4["identical"], tq4["explained_near_ties"], tq4["unexplained"]) == (9, 1, 1) and not tq4["passed"]
+    assert list(by_kv) == ["tq4", "tq3", "bf16", "fp8"]
+    tq4, fp8 = by_kv["tq4"], by_kv["fp8"]
+    assert (tq4["identical"], tq4["control_identical"], tq4["unexplained"]) == (0, 1, 11) and tq4["passed"]
+    assert tq4["groups"]["single"]["control_identical"] == 3 and tq4["groups"]["single"]["identical"] == 0
+    assert (fp8["identical"], fp8["control_identical"]) == (0, 11) and not fp8["passed"]
     assert tq4["acceptance_rate"] == pytest.approx(2 / 3, abs=1e-4) and tq4["full_graph_steps"] == 9
     assert tq4["full_graph_steps_dense_size"] == 7 and tq4["speedup_batch"] > 0
     assert by_kv["tq3"]["refused_at_startup"] and by_kv["tq3"]["error"] == (
@@ -258,15 +286,16 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
         "core initialization failed. See root cause above.")
     assert by_kv["tq3"]["identical"] is None and not by_kv["tq3"]["passed"] and by_kv["tq3"]["prompts"] == 11
     assert by_kv["bf16"]["explained_near_ties"] == 1 and by_kv["bf16"]["passed"]
+    assert by_kv["bf16"]["control_identical"] == 11
     doc = json.loads(summary.read_text())
     assert doc["rows"] == [{"kv": "tq4", "requests": 9}]
     assert [(e["kv"], e["method"]) for e in doc["spec_decode"]] == [("tq4", "ngram"), ("tq3", "ngram"),
-                                                                    ("bf16", "ngram")]
+                                                                    ("bf16", "ngram"), ("fp8", "ngram")]
     assert set(spec.SUMMARY_KEYS) <= set(doc["spec_decode"][0]) and doc["meta"]["spec_decode"]["command"]
     detail = json.loads((tmp_path / "spec.json").read_text())
-    assert detail["meta"]["command"].startswith("python tests/serving") and len(detail["entries"]) == 3
+    assert detail["meta"]["command"].startswith("python tests/serving") and len(detail["entries"]) == 4
     md = (tmp_path / "spec.md").read_text()
-    assert "**FAILED**" in md and "refused at startup" in md and "| bf16 | ngram | 11 | 10 | 1 | 0 |" in md
+    assert "**FAILED**" in md and "refused at startup" in md and "| bf16 | ngram | 11 | 10 | 11 | 1 | 0 |" in md
 
 
 @pytest.mark.skipif(not DATA.is_dir(), reason="no ../shared/data")
