@@ -302,3 +302,29 @@ def test_verification_equals_decode_at_each_position(preset, head_dim, dtype):
     rel = lambda a, c: (torch.linalg.vector_norm(a.float() - c.float()) / torch.linalg.vector_norm(c.float())).item()  # noqa: E731
     assert rel(verified, decoded) < 3e-3, (rel(verified, decoded), rel(verified, ref), rel(decoded, ref))
     assert rel(verified, ref) < TOLERANCE[dtype] and rel(decoded, ref) < TOLERANCE[dtype]
+
+
+def test_batch_invariant_rows_ignore_the_batch_and_the_query_length():
+    """batch_invariant=True: a decode row alone, beside other sequences, or as the last row of a four-token query gives
+    the same bits; a split count other than one is refused."""
+    gen = torch.Generator().manual_seed(11)
+    b = make_paged_batch(gen, "tq4", 64, 2, 16, [40, 300], torch.bfloat16, DEVICE)
+    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout)
+    query = torch.randn(5, 6, 64, generator=gen).to(torch.bfloat16).to(DEVICE)  # 4 rows of sequence 0, 1 of 1
+    kw = dict(scale=0.125, batch_invariant=True)
+
+    def attend(q, rows, q_lens):
+        qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, b.kv_cache, b.layout, b.block_table[rows], qsl, b.seq_lens[rows],
+                        max_query_len=max(q_lens), out=out, **kw)
+        return out
+
+    alone = attend(query[3:4], [0], [1])
+    beside = attend(query[3:5], [0, 1], [1, 1])[:1]
+    verified = attend(query, [0, 1], [4, 1])[3:4]
+    assert torch.equal(alone, beside) and torch.equal(alone, verified)
+    with pytest.raises(ValueError, match="one split"):
+        paged_attention(query[3:4], b.kv_cache, b.layout, b.block_table[:1],
+                        torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), b.seq_lens[:1], max_query_len=1,
+                        out=torch.empty_like(query[3:4]), num_splits=4, **kw)

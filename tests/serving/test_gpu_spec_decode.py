@@ -20,7 +20,8 @@ control: the reference against its rebatched run, plain greedy decoding both, wh
 1-ulp difference into a different code for the next token's key and the greedy text parts from there
 (quality_diagnosis/cpu-smollm2-135m-rounding-sensitivity.md), so speculation, which changes the batch arithmetic,
 passes when its outputs diverge no more often than the control's, within three standard deviations of two Poisson
-counts (within_rounding); a broken verification (a wrong mask, stale cache) diverges on nearly every prompt and fails.
+counts (within_rounding). With --batch-invariant (VLLM_BATCH_INVARIANT=1: GEMMs without split-k, and our backend
+running every row through one kernel at one split) nothing is left to differ: every output must equal greedy's.
 A divergence is "explained" when the speculative run took the reference's runner-up within --near-tie nats
 (informational); the acceptance rate
 (vllm:spec_decode_num_accepted_tokens_total / vllm:spec_decode_num_draft_tokens_total over the timed batches, from
@@ -71,6 +72,7 @@ CONTROLS = ("bf16", "fp8")
 METHODS = ("ngram", "ngram_gpu", "draft_model")
 DENSE_PREFILL_MIN_TOKENS = 256  # turboquant_vllm.vllm.metadata's (a CPU test keeps the two equal)
 FAST_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+BATCH_INVARIANT_LABEL = "batch-invariant"
 WARMUP_PROMPTS = 16
 DIVERGENCES_KEPT = 20
 FULL = dict(repetitive=128, plain=128, max_tokens=128, single=8)
@@ -103,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=5)
     ap.add_argument("--fast-graphs", action="store_true", help=f"compilation_config {FAST_GRAPHS} (--quick's)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="every engine under VLLM_BATCH_INVARIANT=1: speculation must then give greedy decoding's "
+                         f"tokens exactly (methods labelled '{BATCH_INVARIANT_LABEL}')")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -165,7 +170,8 @@ def case_spec(kv: str, method: str | None, args: argparse.Namespace, prompts_fil
                 model=args.model,
                 spec=speculative_config(method, args) if method else None, prompts_file=str(prompts_file),
                 max_tokens=args.max_tokens, single=args.single, logprobs=method is None,
-                fast_graphs=args.fast_graphs, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                fast_graphs=args.fast_graphs, batch_invariant=args.batch_invariant, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs,
                 gpu_memory_utilization=args.gpu_memory_utilization)
 
 
@@ -402,10 +408,13 @@ def child_command(case_file: Path) -> list[str]:
 
 def run_case(case: dict, log_dir: Path, timeout: float) -> dict:
     """One engine's process: its row, or what stopped it (refused at startup or failed later) with the log's error."""
-    name = f"{case['kv']}-{case['method'] or 'reference'}"
+    name = f"{case['kv']}-{case['method'] or 'reference'}" + ("-bi" if case.get("batch_invariant") else "")
     case_file = log_dir / f"{name}.case.json"
     case_file.write_text(json.dumps(case, indent=1))
     env = srv.server_env(srv.plugin_site(log_dir), case["preset"])
+    env.pop("VLLM_BATCH_INVARIANT", None)
+    if case.get("batch_invariant"):
+        env["VLLM_BATCH_INVARIANT"] = "1"
     start = time.perf_counter()
     row, text, why = engine_rows.run_child(child_command(case_file), env, log_dir / f"{name}.log", timeout, TAG)
     result = dict(kv=case["kv"], method=case["method"], seconds=round(time.perf_counter() - start, 1),
@@ -425,6 +434,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def evaluate(kv: str, method: str, reference: dict, speculative: dict, args: argparse.Namespace) -> dict:
     """The comparison entry of a (KV cache, method): the summary keys first (soak.json's spec_decode), then detail."""
+    if args.batch_invariant:
+        method = f"{method}, {BATCH_INVARIANT_LABEL}"
     entry = dict(kv=kv, method=method, prompts=args.repetitive + args.plain, identical=None, control_identical=None,
                  acceptance_rate=None, explained_near_ties=None, unexplained=None, speedup_batch=None,
                  speedup_single=None,
@@ -464,8 +475,12 @@ def evaluate(kv: str, method: str, reference: dict, speculative: dict, args: arg
     )
     if entry["acceptance_rate"] is not None:
         entry["acceptance_rate"] = round(entry["acceptance_rate"], 4)
-    entry["passed"] = all(within_rounding(g["prompts"] - g["identical"], g["prompts"] - g["control_identical"])
-                          for g in ([entry] + ([groups["single"]] if "single" in groups else [])))
+    judged = [entry] + ([groups["single"]] if "single" in groups else [])
+    if args.batch_invariant:  # a row's arithmetic no longer depends on its batch: nothing may differ
+        entry["passed"] = all(g["identical"] == g["prompts"] for g in judged)
+    else:
+        entry["passed"] = all(within_rounding(g["prompts"] - g["identical"], g["prompts"] - g["control_identical"])
+                              for g in judged)
     entry["groups"] = groups
     entry["engines"] = {"reference": reference.get("engine"), "speculative": speculative.get("engine")}
     entry["startup_s"] = {"reference": reference.get("startup_s"), "speculative": speculative.get("startup_s")}

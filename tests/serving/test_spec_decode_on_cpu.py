@@ -232,6 +232,35 @@ def test_run_engine_on_a_stand_in(prompt_file):
     assert "runner_up" not in plain and "rebatched_tokens" not in plain
 
 
+def test_batch_invariant_runs_demand_identity(prompt_file, tmp_path, monkeypatch):
+    """--batch-invariant: the children get VLLM_BATCH_INVARIANT=1, the methods their label, and one flip fails even
+    where the rebatched control flips more."""
+    path, prompts = prompt_file
+    seen = []
+
+    def run_child(cmd, env, log, timeout, tag):
+        case = json.loads(Path(cmd[-1]).read_text())
+        seen.append(env.get("VLLM_BATCH_INVARIANT"))
+        llm = StandInLLM(prompts, {(0, 1)} if case["method"] and case["kv"] == "tq4" else (),
+                         rebatch_flips={(i, 1) for i in range(4)}, group_sizes={6, 5})
+        row = spec.run_engine(llm, case, metrics_text=lambda: "")
+        row.update(engine={"speculative_config": None}, startup_s=1.0)
+        return spec.save_row(cmd[-1], row), spec.READY, None
+
+    monkeypatch.setattr(engine_rows, "run_child", run_child)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    args = spec.parse_args(["--model", "/m", "--data", str(tmp_path), "--kv", "tq4", "--no-control", "--max-tokens",
+                            "6", "--repetitive", "6", "--plain", "5", "--single", "3", "--batch-invariant",
+                            "--logs", str(tmp_path / "logs"), "--out", str(tmp_path / "spec.json"),
+                            "--summary", str(tmp_path / "soak.json")])
+    monkeypatch.setattr(spec.text_prompts, "read_sources", lambda d: {})
+    monkeypatch.setattr(spec.text_prompts, "spec_prompt_set", lambda *a, **k: json.loads(path.read_text()))
+    (entry,) = spec.run(args, "python tests/serving/test_gpu_spec_decode.py --batch-invariant")
+    assert seen == ["1", "1"] and entry["method"] == f"{args.method_list[0]}, {spec.BATCH_INVARIANT_LABEL}"
+    assert (entry["identical"], entry["control_identical"]) == (10, 7) and not entry["passed"]
+    assert not spec.parse_args(["--model", "/m"]).batch_invariant
+
+
 def test_within_rounding():
     assert spec.within_rounding(0, 0) and spec.within_rounding(9, 0) and not spec.within_rounding(10, 0)
     assert spec.within_rounding(97, 90) and spec.within_rounding(130, 90) and not spec.within_rounding(140, 90)

@@ -113,7 +113,6 @@ def test_encoder_and_cross_attention_are_refused(attn_type):
         ("use_sparse", "sparse"),
         ("use_mm_prefix", "multimodal"),
         ("use_non_causal", "non-causal"),
-        ("use_batch_invariant", "VLLM_BATCH_INVARIANT"),
         ("use_kv_connector", "--kv-transfer-config"),
         ("use_per_head_quant_scales", "per-head"),
     ],
@@ -124,6 +123,7 @@ def test_unsupported_features_are_refused(flag, needle):
 
 
 def test_compute_capability():
+    assert TQ4AttentionBackend.supports_batch_invariance()
     assert TQ4AttentionBackend.supports_compute_capability(DeviceCapability(8, 0))
     assert TQ4AttentionBackend.supports_compute_capability(H200)
     (reason,) = validate(device_capability=DeviceCapability(7, 5))

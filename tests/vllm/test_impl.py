@@ -194,3 +194,52 @@ def test_loaded_layers_warm_the_kernels_up_once_per_shape(vllm_config, bf16_defa
         layer.impl._warm_up(torch.float16, torch.device("cpu"))
     assert calls == [(32, KV_HEADS, torch.float16, Q_HEADS, None, None),
                      (32, KV_HEADS, torch.float16, Q_HEADS, 8, None)]
+
+
+@pytest.mark.parametrize("preset", ["tq4", "k5v4"])
+def test_batch_invariant_rows_equal_whatever_the_step(vllm_config, workspace, bf16_default, monkeypatch, preset):
+    """VLLM_BATCH_INVARIANT=1: a row decoded alone, decoded beside another request, or verified as the last of four
+    speculative tokens is the same to the bit (one kernel at one split, queries rotated apart from the store)."""
+    from turboquant_vllm.vllm import compat
+
+    monkeypatch.setenv("TURBOQUANT_PRESET", preset)
+    monkeypatch.setattr(compat, "batch_invariant", lambda: True)
+    (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    impl = layer.impl
+    impl.process_weights_after_loading(torch.bfloat16)
+    builder = make_builder(vllm_config, [layer.layer_name], kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    assert builder.batch_invariant and not builder.dense_prefill
+    gen = torch.Generator().manual_seed(1)
+    lens = [41, 11]  # request 0's last token at 40, request 1's at 10
+    keys = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16) for n in lens]
+    values = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16) for n in lens]
+    queries = [torch.randn(n, Q_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16) for n in lens]
+    block_table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    shape = TQ4AttentionBackend.get_kv_cache_shape(6, BLOCK, KV_HEADS, HEAD_DIM)
+
+    def step(parts):
+        """One forward over fresh pages: parts = [(request, first new position)], the earlier positions stored
+        before; returns each part's last row."""
+        kv_cache = torch.zeros(shape, dtype=torch.uint8)
+        layout = layout_of_cache(impl.preset, HEAD_DIM, tuple(kv_cache.shape))
+        slot = lambda r, p: int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK  # noqa: E731
+        for r, first in parts:
+            store_kv(keys[r][:first], values[r][:first], kv_cache,
+                     torch.tensor([slot(r, p) for p in range(first)], dtype=torch.int64), layout)
+        take = lambda t: torch.cat([t[r][first:] for r, first in parts])  # noqa: E731
+        q_lens = [lens[r] - first for r, first in parts]
+        slots = torch.tensor([slot(r, p) for r, first in parts for p in range(first, lens[r])], dtype=torch.int64)
+        cam = make_cam(q_lens, [lens[r] for r, _ in parts], block_table=block_table[[r for r, _ in parts]],
+                       slot_mapping=slots)
+        md = builder.build(0, cam)
+        assert md.batch_invariant and md.decode_num_splits == 1 and md.prefill_cu_seqlens_k is None
+        output = torch.full((sum(q_lens), Q_HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
+        impl.forward(layer, take(queries), take(keys), take(values), kv_cache, md, output=output)
+        assert not output.isnan().any()
+        ends = torch.tensor(q_lens).cumsum(0) - 1
+        return output[ends]
+
+    alone = step([(0, 40)])[0]
+    beside = step([(0, 40), (1, 10)])[0]
+    verified = step([(1, 10), (0, 37)])[1]  # a decode first, then request 0 verifying positions 37 .. 40
+    assert torch.equal(alone, beside) and torch.equal(alone, verified)

@@ -132,3 +132,16 @@ def test_capturable_verification_batches_never_take_the_dense_path(vllm_config, 
     assert verify.prefill_query_start_loc is verify.query_start_loc  # persistent buffers only
     chunk = builder.build(0, make_cam([DENSE_PREFILL_MIN_TOKENS], [DENSE_PREFILL_MIN_TOKENS + 10]))
     assert chunk.prefill_cu_seqlens_k is not None  # a prefill chunk longer than a verification still does
+
+
+def test_batch_invariant_mode_runs_one_split_and_no_dense_path(vllm_config, bf16_default, monkeypatch):
+    from turboquant_vllm.vllm import compat
+    from turboquant_vllm.vllm.metadata import DENSE_PREFILL_MIN_TOKENS
+
+    monkeypatch.setattr(compat, "batch_invariant", lambda: True)
+    monkeypatch.setattr(compat, "flash_attn_varlen", lambda: ("flash_attn_varlen_func", 3))  # as on a GPU
+    make_layers(vllm_config, 1)
+    builder = make_builder(vllm_config, ["model.layers.0.self_attn.attn"])
+    assert builder.batch_invariant and not builder.dense_prefill
+    md = builder.build(0, make_cam([1, 1, DENSE_PREFILL_MIN_TOKENS], [30, 5, DENSE_PREFILL_MIN_TOKENS + 7]))
+    assert md.batch_invariant and md.decode_num_splits == 1 and md.prefill_cu_seqlens_k is None

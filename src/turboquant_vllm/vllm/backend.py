@@ -52,7 +52,6 @@ def _explain(reason: str, cfg: dict[str, Any]) -> str:
         "non-causal attention not supported": (
             f"non-causal (bidirectional) decoder attention is not supported; {WAY_OUT}"
         ),
-        "batch invariance not supported": "VLLM_BATCH_INVARIANT=1 is not supported; unset it",
         "KV connector not supported": (
             "KV connectors (--kv-transfer-config) are not supported: they move uncompressed pages; drop the option"
         ),
@@ -145,6 +144,11 @@ class TQ4AttentionBackend(AttentionBackend):
     @classmethod
     def supports_kv_connector(cls) -> bool:
         return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        """VLLM_BATCH_INVARIANT=1: every row at one split through one kernel (metadata.py), at a decode-speed cost."""
+        return True
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:

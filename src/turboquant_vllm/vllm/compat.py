@@ -114,6 +114,13 @@ def workspace_manager() -> Any | None:
     return current_workspace_manager() if is_workspace_manager_initialized() else None
 
 
+def batch_invariant() -> bool:
+    """vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1): a request's outputs must not depend on its batch."""
+    from vllm import envs
+
+    return bool(envs.VLLM_BATCH_INVARIANT)
+
+
 @functools.cache  # asked per layer per prefill step; the answer is fixed for the process
 def flash_attn_varlen() -> tuple[Any, int] | None:
     """vLLM's FlashAttention varlen function and version, or None where it cannot run (no CUDA, no build)."""

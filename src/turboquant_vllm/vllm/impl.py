@@ -198,7 +198,7 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         n = min(md.slot_mapping.shape[0], key.shape[0])
         if self.collect_statistics:
             self._statistics().add_keys(key[:n][md.slot_mapping[:n] >= 0])
-        decodes_only = md.num_decodes and not md.num_prefills
+        decodes_only = md.num_decodes and not md.num_prefills and not md.batch_invariant  # fused: ~1 fp16 ulp apart
         return store_kv(key[:n], value[:n], kv_cache, md.slot_mapping, layout, self.key_calibration,
                         query=query[: md.num_decode_tokens] if decodes_only else None, query_scale=self.scale,
                         validate=False)
@@ -231,7 +231,8 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
             nd = md.num_decode_tokens
             paged_attention(
                 query[:nd], kv_cache, layout, md.decode_block_table, md.decode_query_start_loc, md.decode_seq_lens,
-                max_query_len=1, out=output[:nd], num_splits=md.decode_num_splits, rotated_query=rotated, **common,
+                max_query_len=1, out=output[:nd], num_splits=md.decode_num_splits, rotated_query=rotated,
+                batch_invariant=md.batch_invariant, **common,
             )
         if md.num_prefills:
             lo, hi = md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
@@ -246,6 +247,6 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
                 paged_attention(
                     query[lo:hi], kv_cache, layout, md.prefill_block_table, md.prefill_query_start_loc,
                     md.prefill_seq_lens, max_query_len=md.prefill_max_query_len, out=output[lo:hi], num_splits=1,
-                    **common,
+                    batch_invariant=md.batch_invariant, **common,
                 )
         return output

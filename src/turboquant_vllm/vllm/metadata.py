@@ -6,6 +6,9 @@ verifications) runs the general kernel, or, from DENSE_PREFILL_MIN_TOKENS prefil
 expanded context. Uniform batches may be captured whole in a CUDA graph: they only reference persistent buffers
 (query_start_loc, seq_lens, block table, the shared workspace) and their split count depends on the batch shape;
 the dense path, which sizes itself from host-side lengths, never runs for a batch of that shape.
+In vLLM's batch-invariant mode every query row, decodes included, runs the general kernel at one split (as a
+verification's or a prefill chunk's rows do) and no batch takes the dense path: a row's arithmetic then depends on
+its own context only, so speculative decoding gives greedy decoding's tokens exactly.
 The scratch is one fp32 buffer from vLLM's workspace manager, shared by every layer, reserved at its maximum when
 the first layer is built (before memory profiling and CUDA-graph capture).
 """
@@ -94,6 +97,7 @@ class TQ4Metadata(AttentionMetadata):
     decode_seq_lens: torch.Tensor | None
     decode_block_table: torch.Tensor | None
 
+    batch_invariant: bool  # vLLM's batch-invariant mode: one kernel at one split for every row
     workspace: torch.Tensor | None  # view of vLLM's shared workspace (fp32), None without one
 
     # Long prefills: the prefill part's context, expanded once and attended by FlashAttention.
@@ -111,7 +115,8 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         check_builder_spec(kv_cache_spec, layer_names)
         self.layout = kv_cache_spec.layout
-        self.dense_prefill = compat.flash_attn_varlen() is not None
+        self.batch_invariant = compat.batch_invariant()
+        self.dense_prefill = compat.flash_attn_varlen() is not None and not self.batch_invariant
         self.num_q_heads = compat.num_q_heads_of_layers(vllm_config, layer_names)
         self.num_sms = num_sms()
         # Decodes first; speculative verifications (query length > 1) go to the general kernel.
@@ -145,7 +150,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         else:
             num_decode_tokens -= padding
 
-        splits = decode_num_splits(num_decodes, self.layout, self.num_sms)
+        splits = 1 if self.batch_invariant else decode_num_splits(num_decodes, self.layout, self.num_sms)
         decode_qsl = decode_seq_lens = decode_bt = None
         if num_decodes:
             whole = num_prefills == 0  # persistent buffers as they are: safe to capture
@@ -199,6 +204,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
             decode_query_start_loc=decode_qsl,
             decode_seq_lens=decode_seq_lens,
             decode_block_table=decode_bt,
+            batch_invariant=self.batch_invariant,
             workspace=workspace,
             **dense,
         )

@@ -63,6 +63,7 @@ def paged_attention(
     min_split_tokens: int | None = None,
     merge_rows: int | None = None,
     rotated_query: RotatedQuery | None = None,
+    batch_invariant: bool = False,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
@@ -71,7 +72,9 @@ def paged_attention(
     kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate): None
     takes the launch policy's choice (launch.py) for decode, the general kernel's otherwise. rotated_query: the query
     already in the cache's basis (and its offsets under the key calibration), as store_kv(..., query=query,
-    query_scale=scale) returns it with the step's keys (one launch fewer).
+    query_scale=scale) returns it with the step's keys (one launch fewer). batch_invariant: every row computed as
+    the general kernel computes it at one split, whatever the query length and the batch (decodes too): a row's
+    output then depends on its own query and context only (vLLM's batch-invariant mode).
     validate=False: the caller has checked kv_cache against layout already (the vLLM backend, once per forward)."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)
@@ -92,7 +95,9 @@ def paged_attention(
         return out
     group = num_q_heads // layout.num_kv_heads
     g_pad = next_pow2(group)
-    decode_only = max_query_len == 1
+    decode_only = max_query_len == 1 and not batch_invariant
+    if batch_invariant and num_splits not in (None, 1):
+        raise ValueError(f"batch_invariant attention runs at one split, got num_splits={num_splits}")
     block_q = 1 if decode_only else max(1, 64 // g_pad)
     block_m = max(16, block_q * g_pad)
     per_warp = decode_only and per_warp_decode(layout.preset)
