@@ -28,6 +28,8 @@ BENCHMARKS = {
                      "forward)",
     "quality_transform_bound": "bound on what a learned linear transform of K or V could cut from the quantization "
                                "error (CPU)",
+    "rounding_sensitivity": "how far a one-ulp difference in attention outputs moves a real model's greedy text, "
+                            "per KV cache (CPU, bf16)",
     "codebook_polynomial": "the value codebook as an odd polynomial of the code (the decode on the FMA pipe): its "
                            "distortion against the codebook in use (CPU)",
     "kernel_variants": "decode attention under launch variants (warps, tiles, registers, stages, splits) vs the launch "
