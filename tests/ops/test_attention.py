@@ -240,10 +240,10 @@ def test_rejects_bad_input():
 
 def test_decode_launch_only_where_it_was_measured_to_pay():
     """tq4 up to head_dim 128: one warp, loads two tiles ahead, 168 registers, ~6 programs per SM; the narrower
-    presets and tq4 at 256: one tile ahead, 24 programs per SM, 168 registers at head_dim 65..128 only; k5v4 (the
-    general kernel): 4 warps, 2 per SM (benchmarks/results/kernel_variants/h200-decode-tables-stages-launch.log).
-    One sequence: up to 64 splits in the per-warp kernel, 32 in the general one; more: 32, 16 for tq4 at 256
-    (h100-tq4-d256-split-count.md); merge programs of 4 rows up to 64 rows (h100-tq4-one-sequence-policy.md,
+    presets and tq4 at 256: one tile ahead, 24 programs per SM (tq4 at 256: 4), 168 registers at head_dim 65..128
+    only; k5v4 (the general kernel): 4 warps, 2 per SM (benchmarks/results/kernel_variants/h200-decode-tables-stages-
+    launch.log). One sequence: up to 64 splits in the per-warp kernel, 32 in the general one; more: 32, 16 for tq4 at
+    256 (h{100,200}-tq4-d256-split-count.md); merge programs of 4 rows up to 64 rows (h100-tq4-one-sequence-policy.md,
     h200-tq4-one-sequence-d128.md)."""
     from turboquant_vllm.core.presets import get_preset
     from turboquant_vllm.ops.attention import AttentionLaunch, decode_launch
@@ -253,7 +253,7 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
            for p in ("tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4") for d in (64, 96, 128, 256)}
     want = {(p, d): AttentionLaunch(4, 3, 0, 2) if p == "k5v4"
             else AttentionLaunch(1, 5, 168, 6, 64) if p == "tq4" and d <= 128
-            else AttentionLaunch(1, 3, 0, 24, 64, 16) if p == "tq4"
+            else AttentionLaunch(1, 3, 0, 4, 64, 16) if p == "tq4"
             else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24, 64) for p, d in got}
     assert got == want
     assert [decode_merge_rows(r) for r in (1, 32, 64, 65, 4096)] == [4, 4, 4, None, None]

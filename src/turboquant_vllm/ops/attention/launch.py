@@ -27,10 +27,13 @@ MAX_SPLITS = 32
 MAX_SPLITS_ONE_SEQUENCE = 64
 MIN_SPLIT_TOKENS = 256
 # tq4 at head_dim 256, 16 q / 8 KV heads, H100 (h100-tq4-d256-split-count.md): up to 16 splits of two or more
-# sequences, not 32: 16 x 2k 0.1448 -> 0.0946 ms, 2 x 8k 0.1024 -> 0.0770, 8 x 32k 0.3546 -> 0.2829 (8 splits are
-# 10% faster still at 16 x 2k, but 64 x 8k already takes 8); splits left empty there cost more than they save (the
-# 512-token floor: 2 x 8k 0.1313). One sequence keeps 64: 1 x 32k 0.1490 ms (16: 0.1784), 1 x 8k 0.0907 (16: 0.0640).
+# sequences, not 32: 16 x 2k 0.1448 -> 0.0946 ms, 2 x 8k 0.1024 -> 0.0770, 8 x 32k 0.3546 -> 0.2829; splits left
+# empty there cost more than they save (the 512-token floor: 2 x 8k 0.1313). One sequence keeps 64: 1 x 32k 0.1490 ms
+# (16: 0.1784), 1 x 8k 0.0907 (16: 0.0640). Aiming at 4 programs an SM (rounded up) rather than 24 takes 16 x 2k to
+# 8 splits: H200 (h200-tq4-d256-split-count.md) 0.0919 -> 0.0825 ms (H100 0.0946 -> 0.0847), the best of 2-16 at
+# every measured shape within 1% (8 x 32k and 2 x 8k keep 16; 64 x 8k 2, 0.4596 vs 8 splits 0.4545).
 MAX_SPLITS_HEAD_DIM_256 = 16
+PROGRAMS_PER_SM_HEAD_DIM_256 = 4
 # A merge program takes 4 rows (of 16 in its MMA tile) up to 64 rows, so one or two sequences' partials spread over
 # more SMs: H200 (h200-tq4-one-sequence-d128.md) 2 x 32k 0.0522 -> 0.0502 ms at d 128, H100 0.0524 -> 0.0508; from
 # 256 rows on it neither gains nor loses.
@@ -71,8 +74,8 @@ def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
     """tq4 at head_dim <= 128: one-warp programs, loads two tiles ahead, 168 registers (12 programs fit an SM) and
     ~6 programs per SM, one wave: 1.07x over one tile ahead and 24 programs per SM at 16 / 4 heads, 64 x 8k and
     32 x 32k, 1.09x at head_dim 64. The narrower presets: one tile ahead (two buffers cost them 5%), 24 programs per
-    SM, 168 registers at head_dim 65..128 (tq3 1.05x, tq2 1.09x over uncapped), as tq4 at head_dim 256 (there at most
-    16 splits of two or more sequences). The general
+    SM, 168 registers at head_dim 65..128 (tq3 1.05x, tq2 1.09x over uncapped); tq4 at head_dim 256 uncapped, 4 programs
+    an SM and at most 16 splits of two or more sequences. The general
     kernel (5-bit keys): four warps, 2 programs per SM, no register cap (every cap tried lost)."""
     if not per_warp_decode(preset):
         return AttentionLaunch(4, 3, 0, 2)
@@ -80,7 +83,7 @@ def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
     if preset.k_bits == 4 and preset.v_bits == 4:
         if width <= 128:
             return AttentionLaunch(1, 5, 168, 6, MAX_SPLITS_ONE_SEQUENCE)
-        return AttentionLaunch(1, 3, 0, 24, MAX_SPLITS_ONE_SEQUENCE, MAX_SPLITS_HEAD_DIM_256)
+        return AttentionLaunch(1, 3, 0, PROGRAMS_PER_SM_HEAD_DIM_256, MAX_SPLITS_ONE_SEQUENCE, MAX_SPLITS_HEAD_DIM_256)
     return AttentionLaunch(1, 3, 168 if width == 128 else 0, 24, MAX_SPLITS_ONE_SEQUENCE)
 
 
