@@ -22,6 +22,10 @@ control: the reference against its rebatched run, plain greedy decoding both, wh
 passes when its outputs diverge no more often than the control's, within three standard deviations of two Poisson
 counts (within_rounding). With --batch-invariant (VLLM_BATCH_INVARIANT=1: GEMMs without split-k, and our backend
 running every row through one kernel at one split) nothing is left to differ: every output must equal greedy's.
+The judge, a third engine (the reference's configuration), takes greedy's and each method's outputs after their
+prompts, teacher-forced: a continuation token it ranks more than --judge-margin nats below its own top token, given
+the very same prefix, is one the model would not have chosen; greedy's count is the judge's own noise (prefill
+arithmetic against decode's), the method's the evidence of a wrong verification, free of the divergences' chaos.
 A divergence is "explained" when the speculative run took the reference's runner-up within --near-tie nats
 (informational); the acceptance rate
 (vllm:spec_decode_num_accepted_tokens_total / vllm:spec_decode_num_draft_tokens_total over the timed batches, from
@@ -113,6 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--near-tie", type=float, default=0.3,
                     help="nats: a divergence at the reference's runner-up within this margin is explained")
+    ap.add_argument("--judge-margin", type=float, default=0.5,
+                    help="nats: the judge counts a continuation token the non-speculative engine, teacher-forced on "
+                         "the same prefix, ranks below its own top token by more than this")
+    ap.add_argument("--no-judge", action="store_true", help="skip the judge's engine")
     ap.add_argument("--seed", type=int, default=0, help="of the prompt set")
     ap.add_argument("--timeout", type=float, default=600, help="seconds an engine's process may take")
     ap.add_argument("--out", type=Path, help="the detailed results (default benchmarks/results/serving/"
@@ -277,6 +285,7 @@ def run_engine(llm, case: dict, metrics_text=prometheus_text) -> dict:
         outs = run_group(name)
         seconds = time.perf_counter() - start
         out["groups"][name] = dict(seconds=seconds, tokens=[list(o.outputs[0].token_ids) for o in outs],
+                                   prompt_ids=[list(o.prompt_token_ids) for o in outs],
                                    spec=acceptance(before, spec_counts(metrics_text())))
     if case["logprobs"]:
         for name, group in out["groups"].items():
@@ -289,6 +298,27 @@ def run_engine(llm, case: dict, metrics_text=prometheus_text) -> dict:
             if name in out["groups"]:
                 out["groups"][name]["rebatched_tokens"] = rebatched(texts[name], case["max_tokens"], generate)
     return out
+
+
+def judge_engine(llm, case: dict) -> dict:
+    """The judge: each sequence (prompt ids + a continuation) teacher-forced through the non-speculative engine, and
+    per continuation token the margin (nats) by which the engine preferred its own top token given the same prefix
+    (0 where the token is its top). Per label: positions judged, those over the case's judge_margin, the largest."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1, detokenize=False)
+    found = {}
+    for label, pairs in json.loads(Path(case["judge_file"]).read_text()).items():
+        outs = llm.generate([{"prompt_token_ids": p + c} for p, c in pairs], params, use_tqdm=False)
+        margins = []
+        for (p, c), o in zip(pairs, outs):
+            for j, token in enumerate(c):
+                position = o.prompt_logprobs[len(p) + j]
+                top = max(lp.logprob for lp in position.values())
+                margins.append(top - position[token].logprob)
+        found[label] = dict(positions=len(margins), over=sum(m > case["judge_margin"] for m in margins),
+                            largest=round(max(margins, default=0.0), 4))
+    return found
 
 
 def rebatched(prompts: list[str], max_tokens: int, generate) -> list[list[int]]:
@@ -314,7 +344,8 @@ def child_main(path: str) -> int:
     llm = LLM(**engine_kwargs(case))
     startup_s = time.perf_counter() - start
     print(READY, flush=True)
-    row = dict(run_engine(llm, case), startup_s=startup_s, engine=engine_rows.engine_facts(llm))
+    ran = {"judge": judge_engine(llm, case)} if case.get("judge_file") else run_engine(llm, case)
+    row = dict(ran, startup_s=startup_s, engine=engine_rows.engine_facts(llm))
     config = llm.llm_engine.vllm_config
     row["engine"]["speculative_config"] = str(config.speculative_config) if config.speculative_config else None
     llm.llm_engine.do_log_stats()  # flush the last interval's CUDA-graph table into the log
@@ -428,6 +459,37 @@ def run_case(case: dict, log_dir: Path, timeout: float) -> dict:
     return dict(result, **row, error=None, refused_at_startup=False)
 
 
+BATCH_GROUPS = ("repetitive", "plain")
+
+
+def judge(kv: str, reference: dict, ran: dict, args: argparse.Namespace, log_dir: Path) -> dict:
+    """The judge's engine (the reference's configuration, no speculation) on greedy's and each method's batch-group
+    outputs after their prompts: {label: judge_engine's figures} ("greedy" and the methods), {} if anything failed."""
+    if reference.get("error") or any(r.get("error") for r in ran.values()):
+        return {}
+    groups = [n for n in BATCH_GROUPS if n in reference["groups"]]
+    prompt_ids = [p for n in groups for p in reference["groups"][n]["prompt_ids"]]
+    outputs = {"greedy": reference, **ran}
+    sequences = {label: [[p, c] for p, c in zip(prompt_ids, (t for n in groups for t in row["groups"][n]["tokens"]))]
+                 for label, row in outputs.items()}
+    judge_file = log_dir / f"{kv}-judge.sequences.json"
+    judge_file.write_text(json.dumps(sequences))
+    case = dict(case_spec(kv, None, args, log_dir / "prompts.json"), method="judge",
+                judge_file=str(judge_file), judge_margin=args.judge_margin)
+    row = run_case(case, log_dir, args.timeout)
+    return row.get("judge") or {}
+
+
+def judge_entry(judged: dict, method: str, margin: float) -> dict:
+    """An entry's judge figures: teacher-forced continuation tokens of greedy decoding and of the method that the
+    non-speculative engine ranks more than `margin` nats below its top token (greedy's: the judge's own noise)."""
+    if "greedy" not in judged or method not in judged:
+        return dict(judge_positions=None, judge_over_greedy=None, judge_over_speculative=None)
+    g, m = judged["greedy"], judged[method]
+    return dict(judge_positions=m["positions"], judge_over_greedy=g["over"], judge_over_speculative=m["over"],
+                judge_largest_speculative=m["largest"], judge_margin=margin)
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -488,9 +550,10 @@ def evaluate(kv: str, method: str, reference: dict, speculative: dict, args: arg
     return entry
 
 
-SUMMARY_KEYS = ("kv", "method", "prompts", "identical", "control_identical", "acceptance_rate", "explained_near_ties",
-                "unexplained", "speedup_batch", "speedup_single", "num_speculative_tokens", "full_graph_steps",
-                "full_graph_steps_dense_size", "refused_at_startup", "error", "passed")
+SUMMARY_KEYS = ("kv", "method", "prompts", "identical", "control_identical", "judge_positions", "judge_over_greedy",
+                "judge_over_speculative", "acceptance_rate", "explained_near_ties", "unexplained", "speedup_batch",
+                "speedup_single", "num_speculative_tokens", "full_graph_steps", "full_graph_steps_dense_size",
+                "refused_at_startup", "error", "passed")
 
 
 def summary_entry(entry: dict, command: str) -> dict:
@@ -506,19 +569,25 @@ def markdown(entries: list[dict], settings: dict) -> str:
              f"rebatched greedy identical: the control, greedy decoding run again in other batches (reverse order, "
              f"two halves), no speculation. Passed: speculation diverges no more often than the control, within "
              f"three standard deviations (batch groups, and the single runs against the batch run). Explained: the "
-             f"speculative token is the reference's runner-up within {settings['near_tie']} nats.\n"]
-    cols = ["KV cache", "method", "prompts", "identical", "rebatched greedy identical", "explained", "unexplained",
-            "acceptance", "speed-up batch", "speed-up 1-at-a-time", "FULL-graph steps (>= 256 tokens)", "result"]
+             f"speculative token is the reference's runner-up within {settings['near_tie']} nats. Judge: continuation "
+             f"tokens a non-speculative engine, teacher-forced on the same prefix, ranks more than "
+             f"{settings.get('judge_margin')} nats below its own top token, for greedy's outputs (its noise) and "
+             f"the method's.\n"]
+    cols = ["KV cache", "method", "prompts", "identical", "rebatched greedy identical",
+            "judge: tokens over the margin, greedy / speculative (of)", "explained", "unexplained", "acceptance",
+            "speed-up batch", "speed-up 1-at-a-time", "FULL-graph steps (>= 256 tokens)", "result"]
     lines += ["| " + " | ".join(cols) + " |", "| --- " * len(cols) + "|"]
     for e in entries:
         if e.get("error"):
             what = "refused at startup" if e.get("refused_at_startup") else "failed"
             err = str(e["error"]).replace("|", "\\|").replace("\n", " ")[:300]
-            lines.append(f"| {e['kv']} | {e['method']} | | | | | | | | | | **{what}**: {err} |")
+            lines.append(f"| {e['kv']} | {e['method']} | | | | | | | | | | | **{what}**: {err} |")
             continue
         acc = f"{e['acceptance_rate']:.1%}" if e.get("acceptance_rate") is not None else ""
+        judged = (f"{e['judge_over_greedy']} / {e['judge_over_speculative']} ({e['judge_positions']})"
+                  if e.get("judge_positions") is not None else "")
         lines.append(f"| {e['kv']} | {e['method']} | {e['prompts']} | {e['identical']} | {e['control_identical']} | "
-                     f"{e['explained_near_ties']} | "
+                     f"{judged} | {e['explained_near_ties']} | "
                      f"{e['unexplained']} | {acc} | {engine_rows.fmt(e['speedup_batch'], '.2f')} | "
                      f"{engine_rows.fmt(e['speedup_single'], '.2f')} | {e['full_graph_steps']} "
                      f"({e['full_graph_steps_dense_size']}) | {'passed' if e['passed'] else '**FAILED**'} |")
@@ -549,7 +618,7 @@ def run(args: argparse.Namespace, command: str) -> list[dict]:
     out = args.out or default_out()
     summary = args.summary or soak_summary.summary_path()
     settings = dict(repetitive=args.repetitive, plain=args.plain, max_tokens=args.max_tokens, single=args.single,
-                    data=str(args.data), near_tie=args.near_tie,
+                    data=str(args.data), near_tie=args.near_tie, judge_margin=args.judge_margin,
                     graphs=f"compilation_config {FAST_GRAPHS}" if args.fast_graphs else "vLLM's default compilation",
                     num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
                     prompt_lookup_max=args.prompt_lookup_max, logs=str(log_dir))
@@ -557,10 +626,14 @@ def run(args: argparse.Namespace, command: str) -> list[dict]:
     done: list[dict] = []
     for kv in args.kv_list:
         reference = run_case(case_spec(kv, None, args, prompts_file), log_dir, args.timeout)
+        ran = {}
         for method in args.method_list:
-            speculative = run_case(case_spec(kv, method, args, prompts_file), log_dir, args.timeout)
+            ran[method] = run_case(case_spec(kv, method, args, prompts_file), log_dir, args.timeout)
+        judged = {} if args.no_judge else judge(kv, reference, ran, args, log_dir)
+        for method, speculative in ran.items():
             entry = evaluate(kv, method, reference, speculative, args)
-            entry.update(command=command, gpu=common.gpu_info()["name"], commit=common.git_commit())
+            entry.update(judge_entry(judged, method, args.judge_margin), command=command,
+                         gpu=common.gpu_info()["name"], commit=common.git_commit())
             done.append(entry)
             print(json.dumps(summary_entry(entry, command)), flush=True)
         entries = merged_entries(out, done)

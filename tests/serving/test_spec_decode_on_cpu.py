@@ -150,8 +150,9 @@ class _Out:
 
 
 class _Request:
-    def __init__(self, token_ids, logprobs):
+    def __init__(self, token_ids, logprobs, prompt_token_ids=(), prompt_logprobs=None):
         self.outputs = [_Out(token_ids, logprobs)]
+        self.prompt_token_ids, self.prompt_logprobs = list(prompt_token_ids), prompt_logprobs
 
 
 class StandInLLM:
@@ -178,6 +179,13 @@ class StandInLLM:
                                  accepted=self.counters["accepted"] + 2 * len(prompts))
         rebatched = len(prompts) > 1 and len(prompts) not in self.group_sizes
         flips = self.flips | (self.rebatch_flips if rebatched else set())
+        if params.prompt_logprobs:  # the judge: a flipped token (>= 500000) ranks 2 nats below its greedy one
+            from vllm.logprobs import Logprob
+
+            assert params.max_tokens == 1 and all(isinstance(p, dict) for p in prompts)
+            return [_Request([0], None, p["prompt_token_ids"], [None] + [
+                {t: Logprob(-2.1, 2), t - 500000: Logprob(-0.1, 1)} if t >= 500000 else {t: Logprob(-0.1, 1)}
+                for t in p["prompt_token_ids"][1:]]) for p in prompts]
         outs = []
         for p in prompts:
             base, i = zlib.crc32(p.encode()) % 100000, self.index.get(p, -1)
@@ -188,7 +196,7 @@ class StandInLLM:
                 toks.append(tok)
                 margin = 0.05 if pos % 2 == 0 else 2.0
                 lps.append({tok: Logprob(-0.1, 1), tok + 500000: Logprob(-0.1 - margin, 2)})
-            outs.append(_Request(toks, lps if params.logprobs else None))
+            outs.append(_Request(toks, lps if params.logprobs else None, prompt_token_ids=[len(p), base]))
         return outs
 
 
@@ -243,7 +251,8 @@ def test_batch_invariant_runs_demand_identity(prompt_file, tmp_path, monkeypatch
         seen.append(env.get("VLLM_BATCH_INVARIANT"))
         llm = StandInLLM(prompts, {(0, 1)} if case["method"] and case["kv"] == "tq4" else (),
                          rebatch_flips={(i, 1) for i in range(4)}, group_sizes={6, 5})
-        row = spec.run_engine(llm, case, metrics_text=lambda: "")
+        row = ({"judge": spec.judge_engine(llm, case)} if case.get("judge_file")
+               else spec.run_engine(llm, case, metrics_text=lambda: ""))
         row.update(engine={"speculative_config": None}, startup_s=1.0)
         return spec.save_row(cmd[-1], row), spec.READY, None
 
@@ -256,7 +265,7 @@ def test_batch_invariant_runs_demand_identity(prompt_file, tmp_path, monkeypatch
     monkeypatch.setattr(spec.text_prompts, "read_sources", lambda d: {})
     monkeypatch.setattr(spec.text_prompts, "spec_prompt_set", lambda *a, **k: json.loads(path.read_text()))
     (entry,) = spec.run(args, "python tests/serving/test_gpu_spec_decode.py --batch-invariant")
-    assert seen == ["1", "1"] and entry["method"] == f"{args.method_list[0]}, {spec.BATCH_INVARIANT_LABEL}"
+    assert seen == ["1", "1", "1"] and entry["method"] == f"{args.method_list[0]}, {spec.BATCH_INVARIANT_LABEL}"
     assert (entry["identical"], entry["control_identical"]) == (10, 7) and not entry["passed"]
     assert not spec.parse_args(["--model", "/m"]).batch_invariant
 
@@ -287,7 +296,8 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
         counters = dict(drafts=0, draft_tokens=0, accepted=0)
         llm = StandInLLM(prompts, flips.get(case["kv"], ()) if case["method"] else (), counters,
                          rebatch_flips=rebatch_flips.get(case["kv"], ()), group_sizes={6, 5})
-        row = spec.run_engine(llm, case, metrics_text=lambda: counters_text(counters))
+        row = ({"judge": spec.judge_engine(llm, case)} if case.get("judge_file")
+               else spec.run_engine(llm, case, metrics_text=lambda: counters_text(counters)))
         row.update(engine={"speculative_config": json.dumps(case["spec"])}, startup_s=1.0)
         table = "| 250 | 256 | 6 | FULL | 7 |\n| 12 | 16 | 4 | FULL | 2 |\n"
         return spec.save_row(cmd[-1], row), f"{spec.READY}\n{table}", None
@@ -308,6 +318,10 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
     assert (tq4["identical"], tq4["control_identical"], tq4["unexplained"]) == (0, 1, 11) and tq4["passed"]
     assert tq4["groups"]["single"]["control_identical"] == 3 and tq4["groups"]["single"]["identical"] == 0
     assert (fp8["identical"], fp8["control_identical"]) == (0, 11) and not fp8["passed"]
+    # the judge: every flipped token ranks 2 nats below greedy's; greedy's own outputs never
+    assert (tq4["judge_positions"], tq4["judge_over_greedy"], tq4["judge_over_speculative"]) == (66, 0, 11)
+    assert (fp8["judge_over_speculative"], by_kv["bf16"]["judge_over_speculative"]) == (11, 1)
+    assert by_kv["tq3"]["judge_positions"] is None  # its speculative engine never ran: no judge
     assert tq4["acceptance_rate"] == pytest.approx(2 / 3, abs=1e-4) and tq4["full_graph_steps"] == 9
     assert tq4["full_graph_steps_dense_size"] == 7 and tq4["speedup_batch"] > 0
     assert by_kv["tq3"]["refused_at_startup"] and by_kv["tq3"]["error"] == (
@@ -324,7 +338,8 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
     detail = json.loads((tmp_path / "spec.json").read_text())
     assert detail["meta"]["command"].startswith("python tests/serving") and len(detail["entries"]) == 4
     md = (tmp_path / "spec.md").read_text()
-    assert "**FAILED**" in md and "refused at startup" in md and "| bf16 | ngram | 11 | 10 | 11 | 1 | 0 |" in md
+    assert "**FAILED**" in md and "refused at startup" in md
+    assert "| bf16 | ngram | 11 | 10 | 11 | 0 / 1 (66) | 1 | 0 |" in md
 
 
 @pytest.mark.skipif(not DATA.is_dir(), reason="no ../shared/data")
