@@ -328,3 +328,15 @@ def test_batch_invariant_rows_ignore_the_batch_and_the_query_length():
         paged_attention(query[3:4], b.kv_cache, b.layout, b.block_table[:1],
                         torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), b.seq_lens[:1], max_query_len=1,
                         out=torch.empty_like(query[3:4]), num_splits=4, **kw)
+
+
+def test_head_dim_256_split_counts_are_the_measured_best():
+    """tq4 at head_dim 256, 8 KV heads, 132 SMs: the split counts that measured best or within 1% of it on the H200
+    (kernel_variants/h200-tq4-d256-split-count.md): 16 x 2k 8, 8 x 32k and 2 x 8k 16, 64 x 8k 2; one sequence 64."""
+    from turboquant_vllm.core.layout import CacheLayout
+    from turboquant_vllm.core.presets import get_preset
+    from turboquant_vllm.ops.attention import decode_num_splits
+
+    layout = CacheLayout(get_preset("tq4"), 256, 8, 16)
+    assert {n: decode_num_splits(n, layout, sms=132) for n in (1, 2, 8, 16, 64)} == {1: 64, 2: 16, 8: 16, 16: 8,
+                                                                                     64: 2}
