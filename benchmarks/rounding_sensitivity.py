@@ -9,12 +9,18 @@ taken from a random --flip fraction of every attention output (the o_proj input)
 text parts, where, the unperturbed run's margin (nats between its top two tokens) there, and the largest change of
 a next-token log-probability at the positions before the texts part.
 
+Then the same question as the vLLM speculative-decoding check, asked of transformers alone (none of our kernels): per
+KV cache, --lookup-prompts passages decoded greedily one at a time, with transformers' n-gram speculation (prompt
+lookup, --lookup-tokens drafts; rejected drafts cropped from the cache), and beside another passage in a batch of two
+(the control: other GEMM shapes, no speculation); reported: the prompts whose text speculation parts from greedy's,
+and those the batch of two parts.
+
 KV caches: bf16 (transformers' DynamicCache), fp8 (keys and values rounded to e4m3 where the projections write them,
 no scale: a stand-in for vLLM's fp8 cache), tq4 and tq3 (turboquant_vllm.hf.TurboQuantCache, the vLLM backend's
 stored format).
 
     python -m benchmarks rounding_sensitivity --model DIR --wikitext FILE [--prompts 32] [--prompt-len 256]
-        [--tokens 64] [--flip 0.05]
+        [--tokens 64] [--flip 0.05] [--lookup-prompts 24] [--lookup-tokens 3]
 Prints its findings after a provenance header (log: benchmarks/results/quality_diagnosis/).
 """
 
@@ -85,6 +91,21 @@ class Model:
             logits = self.lm(out[-1][:, None], past_key_values=kv, use_cache=True).logits[:, -1].float()
         return torch.stack(out, 1), torch.stack(margins, 1), torch.stack(logps, 1)
 
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, tokens: int, cache: str, lookup: int = 0) -> torch.Tensor:
+        """transformers' greedy generate (prompt-lookup speculation with `lookup` drafts), the new tokens only."""
+        from transformers import DynamicCache
+
+        from turboquant_vllm.hf.cache import TurboQuantCache
+        from turboquant_vllm.hf.demo import with_cache
+
+        self.flip, self.fp8 = 0.0, cache == "fp8"
+        kv = DynamicCache() if cache in ("bf16", "fp8") else TurboQuantCache(cache)
+        extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        out = self.lm.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=tokens,
+                               min_new_tokens=tokens, do_sample=False, **with_cache(self.lm, kv), **extra)
+        return out[:, prompts.shape[1]:]
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = common.parser(NAME, __doc__)
@@ -95,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--flip", type=float, default=0.05, help="fraction of attention outputs moved one ulp")
     ap.add_argument("--caches", default=",".join(CACHES))
+    ap.add_argument("--lookup-prompts", type=int, default=24, help="passages of the speculation part (0: skip it)")
+    ap.add_argument("--lookup-tokens", type=int, default=3, help="drafts a step of prompt-lookup speculation")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -119,6 +142,25 @@ def main(argv: list[str] | None = None) -> None:
         change = (logp_a - logp_b).abs().amax(-1)[same]
         print(f"| {cache} | {len(parted)} / {len(a)} | {pos.median():.0f} | {at.median():.3f} / {at.max():.3f} | "
               f"{change.median():.3f} / {change.quantile(0.9):.3f} / {change.max():.3f} |", flush=True)
+    if args.lookup_prompts:
+        speculation(model, prompts[: args.lookup_prompts], args)
+
+
+def speculation(model: Model, prompts: torch.Tensor, args) -> None:
+    """Per KV cache: the prompts whose greedy text speculation parts, and those a batch of two parts."""
+    print(f"\n{len(prompts)} of the passages one at a time: greedy, prompt-lookup speculation ({args.lookup_tokens} "
+          f"drafts), and greedy beside the next passage in a batch of two (the control); {args.tokens} tokens\n")
+    print("| KV cache | speculation parts greedy's text | a batch of two parts it |")
+    print("| --- | --- | --- |")
+    for cache in args.caches.split(","):
+        spec_parted = pair_parted = 0
+        for i in range(len(prompts)):
+            alone = model.generate(prompts[i : i + 1], args.tokens, cache)[0]
+            spec = model.generate(prompts[i : i + 1], args.tokens, cache, args.lookup_tokens)[0]
+            pair = model.generate(prompts[[i, (i + 1) % len(prompts)]], args.tokens, cache)[0]
+            spec_parted += first_difference(alone, spec) is not None
+            pair_parted += first_difference(alone, pair) is not None
+        print(f"| {cache} | {spec_parted} / {len(prompts)} | {pair_parted} / {len(prompts)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,33 @@ def test_greedy_generation_runs_and_mostly_agrees(tiny_model):
     assert (ours[:, ids.shape[1]:] == ref[:, ids.shape[1]:]).float().mean() > 0.5
     beams = tiny_model.generate(ids[:2], max_new_tokens=4, do_sample=False, num_beams=2, **kw(TurboQuantCache()))
     assert beams.shape == (2, ids.shape[1] + 4)
+
+
+@pytest.mark.parametrize("layers", [{}, {0: "bf16"}])
+def test_crop_forgets_tokens_that_the_next_update_replaces(layers):
+    """crop(-n) (assisted decoding rejecting drafts): the cache then equals one that never saw those tokens."""
+    k, v = kv(2, 3, 12)
+    cropped, fresh = TurboQuantCache("tq4", layers), TurboQuantCache("tq4", layers)
+    cropped.update(k[:, :, :10], v[:, :, :10], 0)
+    cropped.crop(-3)
+    assert cropped.get_seq_length() == 7
+    got = cropped.update(k[:, :, 10:], v[:, :, 10:], 0)
+    fresh.update(k[:, :, :7], v[:, :, :7], 0)
+    want = fresh.update(k[:, :, 10:], v[:, :, 10:], 0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and cropped.nbytes() == fresh.nbytes()
+    cropped.crop(0)
+    assert cropped.get_seq_length() == 9
+    with pytest.raises(ValueError, match="minus the number"):
+        cropped.crop(4)
+
+
+@torch.no_grad()
+def test_prompt_lookup_decoding_runs_on_the_cache(tiny_model):
+    """transformers' n-gram speculation (prompt lookup: drafts verified, rejected ones cropped) on a TurboQuantCache
+    gives greedy decoding's length and, on a repetitive prompt, mostly its tokens."""
+    ids = torch.tensor([[5, 6, 7, 8, 9] * 6])
+    greedy = tiny_model.generate(ids, max_new_tokens=16, do_sample=False, **kw(TurboQuantCache("tq4")))
+    looked_up = tiny_model.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=3,
+                                    **kw(TurboQuantCache("tq4")))
+    assert looked_up.shape == greedy.shape
+    assert (looked_up[:, ids.shape[1]:] == greedy[:, ids.shape[1]:]).float().mean() > 0.5

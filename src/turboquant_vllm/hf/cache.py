@@ -49,6 +49,10 @@ class _Tokens:
         self.length += n
         return self.view
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (the storage stays: later appends overwrite the rest)."""
+        self.length = min(self.length, max(length, 0))
+
     def select(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (beam search reorders them)."""
         if self.data is not None:
@@ -59,6 +63,7 @@ class TurboQuantLayer(CacheLayerMixin):
     """One attention layer's cache: codes + norms of every token and KV head, or the plain tensors (preset bf16)."""
 
     is_sliding = False
+    is_croppable = True  # every token's codes are its own: crop leaves no trace
 
     def __init__(self, preset: str = DEFAULT_PRESET, calibration: KeyCalibration | None = None) -> None:
         super().__init__()
@@ -152,6 +157,18 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._reset_storage()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last -tokens_to_remove tokens (transformers' convention: a count <= 0), as assisted and
+        prompt-lookup decoding do with rejected drafts; the tokens stored next take their places."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = self.get_seq_length() + tokens_to_remove
+        for stored in self._stored:
+            stored.truncate(keep)
+        self.keys, self.values = (s.view for s in self._returned)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for stored in self._stored:
