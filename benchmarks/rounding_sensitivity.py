@@ -70,16 +70,20 @@ class Model:
     def _round_fp8(self, module, args, out):
         return out.to(torch.float8_e4m3fn).to(out.dtype) if self.fp8 else None
 
-    @torch.no_grad()
-    def greedy(self, prompts: torch.Tensor, tokens: int, cache: str, flip: float, seed: int = 1):
-        """Greedy tokens, each step's top-two margin (nats) and log-probabilities, batch-first."""
+    def _cache(self, cache: str, flip: float):
+        """A fresh cache of that name, with the hooks set for it (fp8 rounding) and the perturbation's fraction."""
         from transformers import DynamicCache
 
         from turboquant_vllm.hf.cache import TurboQuantCache
 
         self.flip, self.fp8 = flip, cache == "fp8"
+        return DynamicCache() if cache in ("bf16", "fp8") else TurboQuantCache(cache)
+
+    @torch.no_grad()
+    def greedy(self, prompts: torch.Tensor, tokens: int, cache: str, flip: float, seed: int = 1):
+        """Greedy tokens, each step's top-two margin (nats) and log-probabilities, batch-first."""
+        kv = self._cache(cache, flip)
         self.gen.manual_seed(seed)
-        kv = DynamicCache() if cache in ("bf16", "fp8") else TurboQuantCache(cache)
         logits = self.lm(prompts, past_key_values=kv, use_cache=True).logits[:, -1].float()
         out, margins, logps = [], [], []
         for _ in range(tokens):
@@ -94,13 +98,9 @@ class Model:
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, tokens: int, cache: str, lookup: int = 0) -> torch.Tensor:
         """transformers' greedy generate (prompt-lookup speculation with `lookup` drafts), the new tokens only."""
-        from transformers import DynamicCache
-
-        from turboquant_vllm.hf.cache import TurboQuantCache
         from turboquant_vllm.hf.demo import with_cache
 
-        self.flip, self.fp8 = 0.0, cache == "fp8"
-        kv = DynamicCache() if cache in ("bf16", "fp8") else TurboQuantCache(cache)
+        kv = self._cache(cache, 0.0)
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
         out = self.lm.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=tokens,
                                min_new_tokens=tokens, do_sample=False, **with_cache(self.lm, kv), **extra)

@@ -247,6 +247,6 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
                 paged_attention(
                     query[lo:hi], kv_cache, layout, md.prefill_block_table, md.prefill_query_start_loc,
                     md.prefill_seq_lens, max_query_len=md.prefill_max_query_len, out=output[lo:hi], num_splits=1,
-                    batch_invariant=md.batch_invariant, **common,
+                    **common,
                 )
         return output

@@ -7,8 +7,8 @@ expanded context. Uniform batches may be captured whole in a CUDA graph: they on
 (query_start_loc, seq_lens, block table, the shared workspace) and their split count depends on the batch shape;
 the dense path, which sizes itself from host-side lengths, never runs for a batch of that shape.
 In vLLM's batch-invariant mode every query row, decodes included, runs the general kernel at one split (as a
-verification's or a prefill chunk's rows do) and no batch takes the dense path: a row's arithmetic then depends on
-its own context only, so speculative decoding gives greedy decoding's tokens exactly.
+verification's or a prefill chunk's rows do) and no batch takes the dense path: a row's attention then depends on
+its own query and context only, not on its batch.
 The scratch is one fp32 buffer from vLLM's workspace manager, shared by every layer, reserved at its maximum when
 the first layer is built (before memory profiling and CUDA-graph capture).
 """

@@ -74,9 +74,9 @@ def decode_launch(preset: Preset, head_dim: int) -> AttentionLaunch:
     """tq4 at head_dim <= 128: one-warp programs, loads two tiles ahead, 168 registers (12 programs fit an SM) and
     ~6 programs per SM, one wave: 1.07x over one tile ahead and 24 programs per SM at 16 / 4 heads, 64 x 8k and
     32 x 32k, 1.09x at head_dim 64. The narrower presets: one tile ahead (two buffers cost them 5%), 24 programs per
-    SM, 168 registers at head_dim 65..128 (tq3 1.05x, tq2 1.09x over uncapped); tq4 at head_dim 256 uncapped, 4 programs
-    an SM and at most 16 splits of two or more sequences. The general
-    kernel (5-bit keys): four warps, 2 programs per SM, no register cap (every cap tried lost)."""
+    SM, 168 registers at head_dim 65..128 (tq3 1.05x, tq2 1.09x over uncapped); tq4 at head_dim 256 uncapped, 4
+    programs an SM and at most 16 splits of two or more sequences. The general kernel (5-bit keys): four warps, 2
+    programs per SM, no register cap (every cap tried lost)."""
     if not per_warp_decode(preset):
         return AttentionLaunch(4, 3, 0, 2)
     width = next_pow2(head_dim)
