@@ -20,6 +20,8 @@ BENCHMARKS = {
     "prefill_attention": "one layer's prefill step: store + attention, ours vs FLASH_ATTN bf16 (GPU)",
     "store_kernel": "the store kernel (rotate, quantize, pack, scatter) per batch size and tile configuration (GPU)",
     "profile_decode": "GPU time per decode step by kernel, per KV cache, under torch.profiler (GPU)",
+    "layer_step": "one layer's decode-step attention, ours vs FLASH_ATTN: the host's time to issue it (eager) and the "
+                  "GPU's (graph replay) (GPU)",
     "quality": "quality per KV cache in real vLLM: perplexity, pass-key retrieval, KL vs bf16, bytes per token "
                "(GPU; --report renders on a CPU)",
     "quality_diagnosis": "where the quantization error of the reference LM comes from and which remedies pay "

@@ -17,14 +17,15 @@ from turboquant_vllm.ops.store.store import STORE_LARGE_BATCH, _store_kv_kernel
 def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
     """The launches serving meets outside CUDA graphs: both store tiles, the context expansion (with the dense
     path), the general attention kernel; each runs for real (interpreted on the CPU)."""
-    calls, decode_seqs = [], []
+    calls, decodes = [], []
 
     def record(name, fn):
         def wrapped(*args, **kwargs):
             calls.append((name, kwargs.get("block_t"), kwargs.get("max_query_len"),
                           "query" if kwargs.get("query") is not None else None))
-            if name == "paged_attention" and kwargs.get("max_query_len") == 1:
-                decode_seqs.append(args[0].shape[0])
+            if name == "paged_attention" and kwargs.get("decode"):
+                q_len = kwargs["max_query_len"]
+                decodes.append((q_len, args[0].shape[0] // q_len))
             return fn(*args, **kwargs)
         monkeypatch.setattr(warmup, name, wrapped)
 
@@ -35,15 +36,17 @@ def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
     gen = torch.Generator().manual_seed(0)
     warm_up(layout, torch.bfloat16, 32, torch.device(DEVICE), sliding_window=24, softcap=30.0,
             key_calibration=random_calibration(gen, 2, 64, DEVICE), dense_prefill=dense_prefill,
-            decode_batches=[1, 2, 3, 4, 130, 131, 2] if dense_prefill else [2, 1])  # (the wide tiles interpret slowly)
+            decode_batches=[1, 2, 3, 4, 130, 131, 2] if dense_prefill else [2, 1],  # (wide tiles interpret slowly)
+            decode_query_len=1 if dense_prefill else 4)
     assert ("store_kv", 16, None, None) in calls and ("store_kv", 64, None, None) in calls
     assert ("store_kv", None, None, "query") in calls  # a decode step's store + query rotation (small tiles)
     assert (("dequantize_pages", None, None, None) in calls) == dense_prefill
-    query_rows = [c[2] * 32 for c in calls if c[0] == "paged_attention" and c[2] > 1]  # prefills: query = context
+    query_rows = [c[2] * 32 for c in calls if c[0] == "paged_attention" and c[2] > 4]  # prefills: query = context
     assert min(query_rows) <= LARGE_ROWS < max(query_rows)  # both tilings of the query rotation
     # decodes: one launch per distinct binary: 1 sequence (64 splits, merge programs of 4 rows), 2 (32 splits, 64
-    # rows: 4 a program), 3 (96 rows: the tile's 16), 130 (4,160 rows: the wide merge tiles, 4 splits)
-    assert decode_seqs == ([1, 2, 3, 130] if dense_prefill else [1, 2])
+    # rows: 4 a program), 3 (96 rows: the tile's 16), 130 (4,160 rows: the wide merge tiles, 4 splits); verifications
+    # of 4 tokens a sequence: 1 and 2 sequences (128 and 256 rows)
+    assert decodes == ([(1, 1), (1, 2), (1, 3), (1, 130)] if dense_prefill else [(1, 1), (1, 2), (4, 1), (4, 2)])
 
 
 def compiled(kernel) -> int:
@@ -79,8 +82,14 @@ def serving_launches(layout: CacheLayout, dtype: torch.dtype, q_heads: int, devi
     rotated = store_kv(k[:3], v[:3], cache, slots[:3], layout, query=q[:3], query_scale=head_dim**-0.5)
     paged_attention(q[:3], cache, layout, block_table, torch.arange(4, dtype=torch.int32, device=device), seq_lens,
                     max_query_len=1, scale=head_dim**-0.5, out=decode_out, rotated_query=rotated)  # as vLLM steps
+    # A speculative verification of 3 drafted tokens (4 query slots a sequence, the last sequence drafted 1).
+    verify_out = torch.full_like(q[:10], float("nan"))
+    rotated = store_kv(k[:10], v[:10], cache, slots[:10], layout, query=q[:10], query_scale=head_dim**-0.5)
+    paged_attention(q[:10], cache, layout, block_table, torch.tensor([0, 4, 8, 10], dtype=torch.int32, device=device),
+                    seq_lens, max_query_len=4, scale=head_dim**-0.5, out=verify_out, rotated_query=rotated,
+                    decode=True)
     torch.cuda.synchronize()
-    assert not out.isnan().any() and not decode_out.isnan().any()
+    assert not out.isnan().any() and not decode_out.isnan().any() and not verify_out.isnan().any()
 
 
 @pytest.mark.gpu
@@ -94,7 +103,7 @@ def test_serving_shapes_compile_nothing_after_warm_up(presets, head_dim, dtype):
     layouts = [CacheLayout(get_preset(p), head_dim, kv_heads, block) for p in presets]
     device = torch.device("cuda")
     for layout in layouts:
-        warm_up(layout, dtype, q_heads, device, decode_batches=range(1, 65))
+        warm_up(layout, dtype, q_heads, device, decode_batches=range(1, 65), decode_query_len=4)
     kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel, _merge_and_unrotate_kernel)
     before = [compiled(k) for k in kernels]
     for layout in layouts:

@@ -71,7 +71,7 @@ def test_mixed_batch_splits_decodes_from_the_rest(builder):
     assert md.decode_num_splits == split_count(2, 8, builder.num_sms, TQ4_PER_SM)
 
 
-def test_uniform_speculative_batch_is_one_capturable_launch(builder):
+def test_short_queries_are_prefills_without_speculation(builder):
     cam = make_cam([3, 3, 3], [50, 60, 70])
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_prefills, md.num_prefill_tokens) == (0, 3, 9)
@@ -113,25 +113,65 @@ def test_long_prefills_take_the_dense_path(builder, monkeypatch):
     assert short.prefill_cu_seqlens_k is None
 
 
-def test_capturable_verification_batches_never_take_the_dense_path(vllm_config, bf16_default):
-    """With 3 speculative tokens vLLM captures whole batches of 4-token verifications: from 64 of them (256 tokens) they
-    would reach the dense path, whose host-side offsets a graph would replay stale; the paged kernel takes them."""
+@pytest.fixture
+def speculative_builder(vllm_config, bf16_default):
+    """A builder under speculative decoding of 3 drafted tokens."""
     from vllm.config import SpeculativeConfig
 
-    from turboquant_vllm.vllm.metadata import DENSE_PREFILL_MIN_TOKENS
-
     make_layers(vllm_config, 1)
-    vllm_config.speculative_config = SpeculativeConfig.__new__(SpeculativeConfig)  # only its token count is read
+    vllm_config.speculative_config = SpeculativeConfig.__new__(SpeculativeConfig)  # only these two are read
     vllm_config.speculative_config.num_speculative_tokens = 3
+    vllm_config.speculative_config.parallel_drafting = False
     builder = make_builder(vllm_config, ["model.layers.0.self_attn.attn"])
     builder.dense_prefill = True  # as on a GPU where FlashAttention imports
-    assert builder.capturable_query_len == 4
+    return builder
+
+
+def test_verifications_run_as_decodes(speculative_builder):
+    """Verifications of up to 1 + 3 tokens are decodes (vLLM orders them first): a uniform batch uses the persistent
+    buffers whole (vLLM captures it), at the split count of as many decoding sequences, in 4 query slots a sequence;
+    a batch of single tokens keeps one slot."""
+    builder = speculative_builder
+    assert builder.reorder_batch_threshold == 4 and builder.capturable_query_len == 4
+    cam = make_cam([4, 4, 4], [50, 60, 70])
+    md = builder.build(0, cam)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.decode_query_len) == (3, 12, 0, 4)
+    assert md.decode_num_splits == split_count(3, 8, builder.num_sms, TQ4_PER_SM)
+    assert md.decode_query_start_loc is cam.query_start_loc and md.decode_seq_lens is cam.seq_lens
+    # Padded to a captured size: an empty request at the end, still one decode batch of 4 slots.
+    padded = builder.build(0, make_cam([4, 4, 0], [50, 60, 0]))
+    assert (padded.num_decodes, padded.num_decode_tokens, padded.decode_query_len) == (3, 8, 4)
+    mixed = builder.build(0, make_cam([1, 4, 2, 9], [30, 40, 50, 9]))  # drafts of several lengths, then a prefill
+    assert (mixed.num_decodes, mixed.num_decode_tokens, mixed.decode_query_len, mixed.num_prefills) == (3, 7, 4, 1)
+    single = builder.build(0, make_cam([1, 1], [30, 40]))
+    assert (single.num_decodes, single.decode_query_len) == (2, 1)
+
+
+def test_verification_batches_never_take_the_dense_path(speculative_builder):
+    """From 64 verifications (256 tokens) a prefill would reach the dense path, whose host-side offsets a graph would
+    replay stale: verifications are decodes; a prefill chunk longer than a verification still takes it."""
+    from turboquant_vllm.vllm.metadata import DENSE_PREFILL_MIN_TOKENS
+
+    builder = speculative_builder
     n = DENSE_PREFILL_MIN_TOKENS // 4
     verify = builder.build(0, make_cam([4] * n, [100 + i for i in range(n)]))
-    assert verify.num_prefill_tokens == 4 * n and verify.prefill_cu_seqlens_k is None
-    assert verify.prefill_query_start_loc is verify.query_start_loc  # persistent buffers only
+    assert verify.num_decode_tokens == 4 * n and verify.num_prefills == 0 and verify.prefill_cu_seqlens_k is None
     chunk = builder.build(0, make_cam([DENSE_PREFILL_MIN_TOKENS], [DENSE_PREFILL_MIN_TOKENS + 10]))
-    assert chunk.prefill_cu_seqlens_k is not None  # a prefill chunk longer than a verification still does
+    assert chunk.prefill_cu_seqlens_k is not None
+
+
+def test_decode_query_len_follows_vllm_and_the_kernel_limit():
+    from types import SimpleNamespace
+
+    from turboquant_vllm.ops.attention import MAX_DECODE_QUERY_LEN
+    from turboquant_vllm.vllm.metadata import decode_query_len
+
+    spec = lambda k, parallel=False: SimpleNamespace(speculative_config=SimpleNamespace(  # noqa: E731
+        num_speculative_tokens=k, parallel_drafting=parallel))
+    assert decode_query_len(SimpleNamespace(speculative_config=None)) == 1
+    assert [decode_query_len(spec(k)) for k in (1, 3, 7)] == [2, 4, 8]
+    assert decode_query_len(spec(3, parallel=True)) == 7
+    assert decode_query_len(spec(40)) == MAX_DECODE_QUERY_LEN
 
 
 def test_batch_invariant_mode_runs_one_split_and_no_dense_path(vllm_config, bf16_default, monkeypatch):

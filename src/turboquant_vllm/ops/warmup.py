@@ -31,12 +31,12 @@ from .store.store import STORE_LARGE_BATCH, store_block_tokens, store_kv
 def warm_up(
     layout: CacheLayout, dtype: torch.dtype, num_q_heads: int, device: torch.device, *,
     sliding_window: int | None = None, softcap: float | None = None, key_calibration: KeyCalibration | None = None,
-    dense_prefill: bool = True, decode_batches: Iterable[int] = (),
+    dense_prefill: bool = True, decode_batches: Iterable[int] = (), decode_query_len: int = 1,
 ) -> None:
     """Run every prefill-side launch once for this layer shape, with vLLM's metadata dtypes (int32 indices,
     int64 slots), and one decode launch per distinct binary that decode batches of decode_batches sequences take
-    (their split count and their merge's tiling). dense_prefill: whether long prefills expand the context
-    (FlashAttention present)."""
+    (their split count and their merge's tiling), of one query token a sequence and of decode_query_len (speculative
+    verification). dense_prefill: whether long prefills expand the context (FlashAttention present)."""
     d, block = layout.head_dim, layout.block_size
     # One sequence; the general kernel runs it as a short prefill and as one of over LARGE_ROWS query rows.
     lengths = (block, triton.cdiv(LARGE_ROWS + 1, num_q_heads))
@@ -67,14 +67,15 @@ def warm_up(
     # A step of decodes stores their keys and rotates their queries in one launch (eager serving runs it uncaptured).
     store_kv(key[:1], value[:1], cache, slots[-1:], layout, key_calibration, query=query, query_scale=d**-0.5)
     sms = num_sms(device)
-    binaries = {}  # (split count, merge rows, merge tile) -> the fewest sequences that launch it
-    for seqs in sorted(set(decode_batches)):
-        rows = seqs * num_q_heads
-        binaries.setdefault((decode_num_splits(seqs, layout, sms), decode_merge_rows(rows), launch_shape(rows, d)),
-                            seqs)
-    for seqs in binaries.values():  # every sequence reads the one scratch context
-        query = torch.randn(seqs, num_q_heads, d, dtype=dtype, device=device)
+    binaries = {}  # (query length, split count, merge rows, merge tile) -> the fewest sequences that launch it
+    for q_len in sorted({1, decode_query_len}):
+        for seqs in sorted(set(decode_batches)):
+            rows = seqs * q_len * num_q_heads
+            binaries.setdefault((q_len, decode_num_splits(seqs, layout, sms), decode_merge_rows(rows),
+                                 launch_shape(rows, d)), seqs)
+    for (q_len, *_), seqs in binaries.items():  # every sequence reads the one scratch context
+        query = torch.randn(seqs * q_len, num_q_heads, d, dtype=dtype, device=device)
         paged_attention(query, cache, layout, block_table.repeat(seqs, 1),
-                        torch.arange(seqs + 1, dtype=torch.int32, device=device), seq_lens.repeat(seqs),
-                        max_query_len=1, scale=d**-0.5, out=torch.empty_like(query), sliding_window=sliding_window,
-                        softcap=softcap, key_calibration=key_calibration)
+                        torch.arange(0, seqs * q_len + 1, q_len, dtype=torch.int32, device=device),
+                        seq_lens.repeat(seqs), max_query_len=q_len, scale=d**-0.5, out=torch.empty_like(query),
+                        sliding_window=sliding_window, softcap=softcap, key_calibration=key_calibration, decode=True)

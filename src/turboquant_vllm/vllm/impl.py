@@ -30,7 +30,7 @@ from ..ops.utils import check_cache
 from . import compat
 from .compat import AttentionImpl, AttentionType
 from .kv_spec import bind_layer_presets, install_kv_cache_spec_hook
-from .metadata import TQ4Metadata, reserve_workspace
+from .metadata import TQ4Metadata, decode_query_len, reserve_workspace
 from .settings import (
     CALIBRATION_ENV,
     COLLECT_ENV,
@@ -172,7 +172,7 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         max_seqs = getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", None) or 1
         warm_up(layout, dtype, self.num_heads, device, sliding_window=self.sliding_window, softcap=self.softcap,
                 key_calibration=self.key_calibration, dense_prefill=compat.flash_attn_varlen() is not None,
-                decode_batches=range(1, max_seqs + 1))
+                decode_batches=range(1, max_seqs + 1), decode_query_len=decode_query_len(self.vllm_config))
         torch.cuda.synchronize(device)
         logger.info("TurboQuant kernels ready in %.1f s (compiled now rather than inside the first requests)",
                     time.perf_counter() - start)
@@ -231,8 +231,8 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
             nd = md.num_decode_tokens
             paged_attention(
                 query[:nd], kv_cache, layout, md.decode_block_table, md.decode_query_start_loc, md.decode_seq_lens,
-                max_query_len=1, out=output[:nd], num_splits=md.decode_num_splits, rotated_query=rotated,
-                batch_invariant=md.batch_invariant, **common,
+                max_query_len=md.decode_query_len, out=output[:nd], num_splits=md.decode_num_splits,
+                rotated_query=rotated, batch_invariant=md.batch_invariant, decode=True, **common,
             )
         if md.num_prefills:
             lo, hi = md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens

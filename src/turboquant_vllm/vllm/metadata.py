@@ -1,8 +1,9 @@
 """Attention metadata: the step's batch split into decodes and the rest, with the scratch each needs.
 
-Decodes (query length 1) come first in a batch (vLLM reorders it for us, threshold 1) and run the decode kernel with
-a split count from ops.attention.launch; the rest (prefills, chunked-prefill continuations, speculative-decode
-verifications) runs the general kernel, or, from DENSE_PREFILL_MIN_TOKENS prefill tokens, FlashAttention over the
+Decodes come first in a batch (vLLM reorders it for us) and run the decode kernel with a split count from
+ops.attention.launch: query length 1, and under speculative decoding up to 1 + the drafted tokens (a verification
+runs as that many decodes, each position computing what decoding it would). The rest (prefills, chunked-prefill
+continuations) runs the general kernel, or, from DENSE_PREFILL_MIN_TOKENS prefill tokens, FlashAttention over the
 expanded context. Uniform batches may be captured whole in a CUDA graph: they only reference persistent buffers
 (query_start_loc, seq_lens, block table, the shared workspace) and their split count depends on the batch shape;
 the dense path, which sizes itself from host-side lengths, never runs for a batch of that shape.
@@ -22,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..core.layout import CacheLayout
-from ..ops.attention import attention_workspace_shape, decode_num_splits, num_sms
+from ..ops.attention import MAX_DECODE_QUERY_LEN, attention_workspace_shape, decode_num_splits, num_sms
 from . import compat
 from .compat import (
     AttentionCGSupport,
@@ -48,13 +49,25 @@ def workspace_elems(
 
 
 @functools.lru_cache(maxsize=None)
-def max_workspace_elems(num_q_heads: int, layout: CacheLayout, max_tokens: int, max_seqs: int, sms: int) -> int:
-    """The most any step can need: a full prefill budget unsplit, or any decode batch split."""
+def max_workspace_elems(num_q_heads: int, layout: CacheLayout, max_tokens: int, max_seqs: int, sms: int,
+                        query_len: int = 1) -> int:
+    """The most any step can need: a full prefill budget unsplit, or any decode batch split (up to query_len tokens
+    a sequence)."""
     most = workspace_elems(0, max_tokens, 1, num_q_heads, layout.head_dim)
     for seqs in range(1, min(max_seqs, max_tokens) + 1):
         splits = decode_num_splits(seqs, layout, sms)
-        most = max(most, workspace_elems(seqs, 0, splits, num_q_heads, layout.head_dim))
+        tokens = min(seqs * query_len, max_tokens)
+        most = max(most, workspace_elems(tokens, 0, splits, num_q_heads, layout.head_dim))
     return most
+
+
+def decode_query_len(vllm_config: Any) -> int:
+    """The longest query the decode kernel takes a sequence (vLLM's reorder threshold for this backend): 1, or under
+    speculative decoding a verification's 1 + drafted tokens (twice the drafts with parallel drafting, as vLLM counts),
+    up to ops.attention.MAX_DECODE_QUERY_LEN."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    drafts = getattr(spec, "num_speculative_tokens", None) or 0
+    return min(1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * drafts, MAX_DECODE_QUERY_LEN)
 
 
 def reserve_workspace(vllm_config: Any, num_q_heads: int, layout: CacheLayout) -> int | None:
@@ -67,7 +80,8 @@ def reserve_workspace(vllm_config: Any, num_q_heads: int, layout: CacheLayout) -
         scheduler.max_num_batched_tokens,
         getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None) or 0,
     )
-    elems = max_workspace_elems(num_q_heads, layout, max_tokens, scheduler.max_num_seqs, num_sms())
+    elems = max_workspace_elems(num_q_heads, layout, max_tokens, scheduler.max_num_seqs, num_sms(),
+                                decode_query_len(vllm_config))
     manager.get_simultaneous(((elems,), torch.float32))
     return elems
 
@@ -82,10 +96,11 @@ class TQ4Metadata(AttentionMetadata):
     block_table: torch.Tensor  # (num_reqs, max_blocks) int32
     slot_mapping: torch.Tensor
 
-    # Decodes (query length 1) come first: requests [0, num_decodes), tokens [0, num_decode_tokens).
+    # Decodes come first: requests [0, num_decodes), tokens [0, num_decode_tokens).
     num_decodes: int
     num_decode_tokens: int
     decode_num_splits: int
+    decode_query_len: int  # query slots a decode sequence: 1, or the builder's reorder threshold (verifications)
     # The rest: requests [num_decodes, num_reqs), tokens [num_decode_tokens, + num_prefill_tokens).
     num_prefills: int
     num_prefill_tokens: int
@@ -119,8 +134,8 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         self.dense_prefill = compat.flash_attn_varlen() is not None and not self.batch_invariant
         self.num_q_heads = compat.num_q_heads_of_layers(vllm_config, layer_names)
         self.num_sms = num_sms()
-        # Decodes first; speculative verifications (query length > 1) go to the general kernel.
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        # Decodes first: query length 1, and under speculative decoding up to 1 + the drafted tokens.
+        self._init_reorder_batch_threshold(decode_query_len(vllm_config))
         # vLLM captures whole batches of this query length (1 + speculative tokens): such a batch must not take the
         # dense path, whose context offsets and sizes come from the host and would replay stale from a graph.
         spec = getattr(vllm_config, "speculative_config", None) if vllm_config is not None else None
@@ -141,7 +156,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         num_reqs = cam.num_reqs
         qsl, seq_lens, block_table = cam.query_start_loc, cam.seq_lens, cam.block_table_tensor
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split_decodes_and_prefills(
-            cam, decode_threshold=1)
+            cam, decode_threshold=self.reorder_batch_threshold)
         # vLLM counts the CUDA-graph padding past query_start_loc[num_reqs] as tokens of the last part; nothing
         # attends them and their outputs are discarded, so no launch covers them.
         padding = cam.num_actual_tokens - int(cam.query_start_loc_cpu[num_reqs])
@@ -151,6 +166,9 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
             num_decode_tokens -= padding
 
         splits = 1 if self.batch_invariant else decode_num_splits(num_decodes, self.layout, self.num_sms)
+        # Two kernel binaries, not one per length: a verification batch takes the threshold's slots, the shorter
+        # queries in it leave theirs empty (a graph captured at the threshold replays any such batch).
+        query_len = 1 if num_decode_tokens <= num_decodes else self.reorder_batch_threshold
         decode_qsl = decode_seq_lens = decode_bt = None
         if num_decodes:
             whole = num_prefills == 0  # persistent buffers as they are: safe to capture
@@ -195,6 +213,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
             decode_num_splits=splits,
+            decode_query_len=query_len,
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
             prefill_max_query_len=cam.max_query_len,

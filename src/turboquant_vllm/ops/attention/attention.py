@@ -11,10 +11,11 @@ meet the queries' int8 hi / lo parts in exact integer MMAs; values decode to fp1
 Under a key calibration a negative key norm marks a key stored uncentered (core.calibration): its score is taken
 with the norm's magnitude, minus its query's offset (ops.rotation.RotatedQuery.offset), one load per query row.
 
-Two kernels: decode.py (one query token per sequence, one-warp programs, every preset but 5-bit keys) and
-general.py (tiles of query tokens, all query heads of one KV head per program, so each compressed byte is read
-once per KV head). Both split the context when launch.py says so and write partials to the workspace; which
-kernel, how many warps, stages, registers and splits is decided in launch.py alone.
+Two kernels: decode.py (one-warp programs of one query token each, every preset but 5-bit keys; a sequence of a
+few query tokens, a speculative verification, runs as that many decodes) and general.py (tiles of query tokens,
+all query heads of one KV head per program, so each compressed byte is read once per KV head). Both split the
+context when launch.py says so and write partials to the workspace; which kernel, how many warps, stages, registers
+and splits is decided in launch.py alone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .decode import _decode_kernel
 from .general import _attention_kernel
 from .launch import (
     GENERAL_LAUNCH,
+    MAX_DECODE_QUERY_LEN,
     MIN_SPLIT_TOKENS,
     attention_workspace_shape,
     decode_launch,
@@ -64,6 +66,7 @@ def paged_attention(
     merge_rows: int | None = None,
     rotated_query: RotatedQuery | None = None,
     batch_invariant: bool = False,
+    decode: bool | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
@@ -74,7 +77,10 @@ def paged_attention(
     already in the cache's basis (and its offsets under the key calibration), as store_kv(..., query=query,
     query_scale=scale) returns it with the step's keys (one launch fewer). batch_invariant: every row computed as
     the general kernel computes it at one split, whatever the query length and the batch (decodes too): a row's
-    output then depends on its own query and context only (vLLM's batch-invariant mode).
+    output then depends on its own query and context only (vLLM's batch-invariant mode). decode: run every query
+    token as a decode of its own causal prefix (None: when max_query_len is 1); with up to MAX_DECODE_QUERY_LEN
+    tokens a sequence (speculative verification), each row then equals what decoding its position computes at the
+    same split count.
     validate=False: the caller has checked kv_cache against layout already (the vLLM backend, once per forward)."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)
@@ -95,12 +101,16 @@ def paged_attention(
         return out
     group = num_q_heads // layout.num_kv_heads
     g_pad = next_pow2(group)
-    decode_only = max_query_len == 1 and not batch_invariant
+    if decode and max_query_len > MAX_DECODE_QUERY_LEN:
+        raise ValueError(f"decode runs up to {MAX_DECODE_QUERY_LEN} query tokens a sequence, got {max_query_len}")
+    decode = (max_query_len == 1 if decode is None else decode) and not batch_invariant
     if batch_invariant and num_splits not in (None, 1):
         raise ValueError(f"batch_invariant attention runs at one split, got num_splits={num_splits}")
+    per_warp = decode and per_warp_decode(layout.preset)
+    # The general kernel's decode mode takes one query token a sequence; longer ones run its tiles of query tokens.
+    decode_only = per_warp or decode and max_query_len == 1
     block_q = 1 if decode_only else max(1, 64 // g_pad)
     block_m = max(16, block_q * g_pad)
-    per_warp = decode_only and per_warp_decode(layout.preset)
     launch = decode_launch(layout.preset, head_dim) if decode_only else GENERAL_LAUNCH
     num_warps = num_warps or launch.num_warps
     block_n = block_n or 32 * num_warps
@@ -147,11 +157,12 @@ def paged_attention(
     k_table = c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16]
     strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
     if per_warp:
-        _decode_kernel[(num_seqs, layout.num_kv_heads, num_splits)](
+        _decode_kernel[(num_seqs * max_query_len, layout.num_kv_heads, num_splits)](
             q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
             c.value_values[torch.float16], part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0),
             c.key_int8_step,
-            ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, V_CHUNKS=2 if head_dim > 64 else 1,
+            ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, QUERY_LEN=max_query_len,
+            V_CHUNKS=2 if head_dim > 64 else 1,
             MIN_SPLIT_TOKENS=min_split_tokens or MIN_SPLIT_TOKENS,
             **common,
         )

@@ -1,6 +1,7 @@
-"""The decode kernel: one query token per sequence, programs of one warp, each with its own online softmax over
-its split of the context (no barrier ties a warp to another). Every preset but 5-bit keys decodes here
-(launch.per_warp_decode). Entry point: attention.paged_attention."""
+"""The decode kernel: programs of one warp, one query token each, with its own online softmax over its split of the
+context (no barrier ties a warp to another). A sequence of several query tokens (a speculative verification) runs
+them as that many decodes, each over its own causal prefix: a verified position computes exactly what decoding it
+would. Every preset but 5-bit keys decodes here (launch.per_warp_decode). Entry point: attention.paged_attention."""
 
 import triton
 import triton.language as tl
@@ -14,7 +15,8 @@ def _decode_kernel(
     q_ptr, q_offset_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr, part_acc_ptr,
     part_ml_ptr, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, WARP_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    QUERY_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     V_CHUNKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr,
     V_CODE_BYTES: tl.constexpr,
@@ -33,12 +35,21 @@ def _decode_kernel(
     and the value codes load straight into the operand's (coordinate, token) order. The value tile decodes in
     V_CHUNKS pieces of the head dimension: fewer live registers. The warps' partials merge once at the end.
     CALIBRATED: keys stored with a key calibration; an uncentered one (negative norm) loses its query's offset.
+    QUERY_LEN: query slots a sequence (programs along axis 0); the i-th token of a sequence of q tokens attends its
+    first seq_len - (q - 1 - i) keys, and slots past q do nothing.
     """
-    seq = tl.program_id(0)
+    seq = tl.program_id(0) // QUERY_LEN
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(qsl_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
+    live = True
+    if QUERY_LEN > 1:
+        i = tl.program_id(0) % QUERY_LEN
+        q_len = tl.load(qsl_ptr + seq + 1) - token
+        live = i < q_len
+        token += i
+        seq_len = tl.where(live, seq_len - (q_len - 1 - i), 0)  # an empty slot runs no tile and writes nothing
     LOG2E: tl.constexpr = 1.4426950408889634
     SCORE_UNIT: tl.constexpr = 1.0 if USE_SOFTCAP else LOG2E
     BLOCK_N: tl.constexpr = WARPS * WARP_N
@@ -46,7 +57,7 @@ def _decode_kernel(
     DC: tl.constexpr = DH // V_CHUNKS  # value code bytes per chunk (2 coordinates each)
 
     g = tl.arange(0, ROWS)
-    row_ok = g < GROUP
+    row_ok = (g < GROUP) & live
     head = kv_head * GROUP + g
     q_row = q_ptr + token * stride_qt + head * stride_qh
     if K_BITS == 4:

@@ -34,6 +34,9 @@ MIN_SPLIT_TOKENS = 256
 # every measured shape within 1% (8 x 32k and 2 x 8k keep 16; 64 x 8k 2, 0.4596 vs 8 splits 0.4545).
 MAX_SPLITS_HEAD_DIM_256 = 16
 PROGRAMS_PER_SM_HEAD_DIM_256 = 4
+# Query tokens a sequence the decode kernel runs as that many decodes (speculative verification: 1 + drafted tokens,
+# twice the drafts under parallel drafting); each reads its context once, so longer queries take the general kernel.
+MAX_DECODE_QUERY_LEN = 16
 # A merge program takes 4 rows (of 16 in its MMA tile) up to 64 rows, so one or two sequences' partials spread over
 # more SMs: H200 (h200-tq4-one-sequence-d128.md) 2 x 32k 0.0522 -> 0.0502 ms at d 128, H100 0.0524 -> 0.0508; from
 # 256 rows on it neither gains nor loses.

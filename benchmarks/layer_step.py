@@ -1,0 +1,133 @@
+"""One layer's attention in one decode step, as the vLLM backends run it: the host's cost of issuing it (eager, as
+in steps that mix prefills and decodes, which run attention between piecewise CUDA graphs) and the GPU's (a CUDA
+graph replay, as in captured decode steps).
+
+Ours: store_kv (the step's keys and values, with the fused query rotation) + paged_attention (decode kernel and
+merge), with the arguments the backend passes (validate=False, the shared workspace). FLASH_ATTN: vLLM's
+reshape_and_cache_flash + FlashAttention-3 over the bf16 cache. A small model's step is ~30 such layers: where
+the host's microseconds exceed the GPU's, eager steps are bound by issuing launches, not by the cache.
+
+    python -m benchmarks layer_step [--shapes 64x512,8x2048] [--heads 9/3 --head-dim 64] [--out PATH]
+Writes benchmarks/results/layer_step/<gpu>-<Q>q<KV>kv-d<D>.{json,md} (default: SmolLM2-135M's 9 / 3 heads, d 64).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from turboquant_vllm.bench import BLOCK, Batch, Shape, time_graph
+from turboquant_vllm.core.layout import CacheLayout
+from turboquant_vllm.core.presets import get_preset
+from turboquant_vllm.ops import attention_workspace_shape, decode_num_splits, paged_attention, store_kv
+
+from . import common
+
+NAME = "layer_step"
+SHAPES = [(64, 512), (8, 2048), (256, 512)]
+HOST_CALLS = 2000
+
+
+def host_us(fn, calls: int = HOST_CALLS) -> float:
+    """Mean host microseconds to issue fn (the GPU drained first, kernels short enough that the queue never fills:
+    the loop's time is the host's)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued / calls * 1e6
+
+
+def ours_step(b: Batch, preset: str):
+    s = b.shape
+    layout = CacheLayout(get_preset(preset), s.head_dim, s.kv_heads, BLOCK)
+    cache = torch.zeros(layout.cache_shape(b.num_blocks), dtype=torch.uint8, device="cuda")
+    for ids, k, v in b.slot_chunks():
+        store_kv(k, v, cache, (ids[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).flatten(), layout)
+    splits = decode_num_splits(s.batch, layout)
+    ws = torch.empty(attention_workspace_shape(s.batch, s.q_heads, s.head_dim, splits), dtype=torch.float32,
+                     device="cuda")
+    key = torch.randn(s.batch, s.kv_heads, s.head_dim, dtype=torch.bfloat16, device="cuda")
+    slots = b.block_table[:, -1].long() * BLOCK + (s.context - 1) % BLOCK  # each sequence's last slot
+    out = torch.empty_like(b.query)
+    scale = s.head_dim**-0.5
+
+    def run():
+        rotated = store_kv(key, key, cache, slots, layout, query=b.query, query_scale=scale, validate=False)
+        paged_attention(b.query, cache, layout, b.block_table, b.qsl, b.seq_lens, max_query_len=1, scale=scale,
+                        out=out, workspace=ws, num_splits=splits, rotated_query=rotated, decode=True, validate=False)
+    return run
+
+
+def flash_step(b: Batch):
+    from vllm import _custom_ops as ops
+
+    from turboquant_vllm.vllm import compat
+
+    flash_attn_varlen_func, _ = compat.flash_attn_varlen()
+    s = b.shape
+    key = torch.randn(s.batch, s.kv_heads, s.head_dim, dtype=torch.bfloat16, device="cuda")
+    slots = b.block_table[:, -1].long() * BLOCK + (s.context - 1) % BLOCK
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+    out = torch.empty_like(b.query)
+
+    def run():
+        ops.reshape_and_cache_flash(key, key, b.k_cache, b.v_cache, slots, "auto", one, one)
+        flash_attn_varlen_func(b.query, b.k_cache, b.v_cache, max_seqlen_q=1, cu_seqlens_q=b.qsl,
+                               max_seqlen_k=s.context, seqused_k=b.seq_lens, softmax_scale=s.head_dim**-0.5,
+                               causal=True, block_table=b.block_table, out=out, fa_version=3)
+    return run
+
+
+def markdown(rows: list[dict], heads: str) -> str:
+    lines = [f"# One layer's decode-step attention: host issue time vs GPU time ({heads})", "",
+             "Host: mean µs to issue the layer's launches, eager (steps that mix prefills and decodes). GPU: µs of "
+             "a CUDA-graph replay (captured decode steps). Ours: store_kv with the fused query rotation + "
+             "paged_attention; FLASH_ATTN: reshape_and_cache_flash + FlashAttention-3 (bf16).", "",
+             "| step | batch x context | host µs | GPU µs | host / GPU |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['step']} | {r['batch']} x {r['context']} | {r['host_us']:.1f} | {r['gpu_us']:.1f} | "
+                     f"{r['host_us'] / r['gpu_us']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(NAME, __doc__)
+    ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES), help="BATCHxCONTEXT,...")
+    ap.add_argument("--heads", default="9/3", help="Q/KV heads")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--presets", default="tq4,tq3")
+    common.add_out_argument(ap, "benchmarks/results/layer_step/<gpu>-<Q>q<KV>kv-d<D>")
+    args = ap.parse_args(argv)
+    q_heads, kv_heads = (int(x) for x in args.heads.split("/"))
+    command = common.command_line(NAME, argv)
+    meta = common.print_header(command)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch, context in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
+        b = Batch(Shape(batch, context, q_heads, kv_heads, args.head_dim), gen)
+        steps = {"flash_attn_bf16": lambda: flash_step(b)}
+        steps.update({p: (lambda p=p: ours_step(b, p)) for p in args.presets.split(",")})
+        for name, make in steps.items():
+            fn = make()
+            row = dict(step=name, batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads,
+                       head_dim=args.head_dim, host_us=host_us(fn), gpu_us=time_graph(fn) * 1e3)
+            print(f"{name:16s} {batch:4d} x {context:6d}: host {row['host_us']:7.1f} µs, GPU {row['gpu_us']:7.1f} µs",
+                  flush=True)
+            rows.append(row)
+    stem = (common.stem_of(args.out) if args.out else
+            common.result_stem(NAME, f"{q_heads}q{kv_heads}kv-d{args.head_dim}"))
+    common.write_json(common.with_ext(stem, ".json"), dict(rows=rows), meta)
+    common.write_markdown(common.with_ext(stem, ".md"), markdown(rows, f"{q_heads} q / {kv_heads} KV heads, d "
+                                                                      f"{args.head_dim}"), meta)
+    print(f"wrote {Path(stem)}.json / .md")
+
+
+if __name__ == "__main__":
+    main()
