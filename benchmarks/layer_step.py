@@ -31,8 +31,8 @@ HOST_CALLS = 2000
 
 
 def host_us(fn, calls: int = HOST_CALLS) -> float:
-    """Mean host microseconds to issue fn (the GPU drained first, kernels short enough that the queue never fills:
-    the loop's time is the host's)."""
+    """Mean microseconds to issue fn, the GPU drained first: the host's time while the GPU keeps up; the GPU's once
+    the launch queue fills."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -87,9 +87,10 @@ def flash_step(b: Batch):
 
 def markdown(rows: list[dict], heads: str) -> str:
     lines = [f"# One layer's decode-step attention: host issue time vs GPU time ({heads})", "",
-             "Host: mean µs to issue the layer's launches, eager (steps that mix prefills and decodes). GPU: µs of "
-             "a CUDA-graph replay (captured decode steps). Ours: store_kv with the fused query rotation + "
-             "paged_attention; FLASH_ATTN: reshape_and_cache_flash + FlashAttention-3 (bf16).", "",
+             "Host: mean µs to issue the layer's launches, eager (steps that mix prefills and decodes); where the GPU "
+             "is the slower, the launch queue fills and the loop runs at the GPU's pace, so the host figure is at "
+             "least the GPU's. GPU: µs of a CUDA-graph replay (captured decode steps). Ours: store_kv with the fused "
+             "query rotation + paged_attention; FLASH_ATTN: reshape_and_cache_flash + FlashAttention-3 (bf16).", "",
              "| step | batch x context | host µs | GPU µs | host / GPU |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['step']} | {r['batch']} x {r['context']} | {r['host_us']:.1f} | {r['gpu_us']:.1f} | "
