@@ -3,8 +3,7 @@ in steps that mix prefills and decodes, which run attention between piecewise CU
 graph replay, as in captured decode steps).
 
 Ours: store_kv (the step's keys and values, with the fused query rotation) + paged_attention (decode kernel and
-merge), with the arguments the backend passes (validate=False, the shared workspace), launched by ops.launcher and,
-for comparison, through Triton's kernel[grid]. FLASH_ATTN: vLLM's
+merge), with the arguments the backend passes (validate=False, the shared workspace). FLASH_ATTN: vLLM's
 reshape_and_cache_flash + FlashAttention-3 over the bf16 cache. A small model's step is ~30 such layers: where
 the host's microseconds exceed the GPU's, eager steps are bound by issuing launches, not by the cache.
 
@@ -22,7 +21,7 @@ import torch
 from turboquant_vllm.bench import BLOCK, Batch, Shape, time_graph
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
-from turboquant_vllm.ops import attention_workspace_shape, decode_num_splits, launcher, paged_attention, store_kv
+from turboquant_vllm.ops import attention_workspace_shape, decode_num_splits, paged_attention, store_kv
 
 from . import common
 
@@ -91,8 +90,7 @@ def markdown(rows: list[dict], heads: str) -> str:
              "Host: mean µs to issue the layer's launches, eager (steps that mix prefills and decodes); where the GPU "
              "is the slower, the launch queue fills and the loop runs at the GPU's pace, so the host figure is at "
              "least the GPU's. GPU: µs of a CUDA-graph replay (captured decode steps). Ours: store_kv with the fused "
-             "query rotation + paged_attention, launched as ops.launcher does (the compiled binaries directly) and "
-             "through Triton's kernel[grid]; FLASH_ATTN: reshape_and_cache_flash + FlashAttention-3 (bf16).", "",
+             "query rotation + paged_attention; FLASH_ATTN: reshape_and_cache_flash + FlashAttention-3 (bf16).", "",
              "| step | batch x context | host µs | GPU µs | host / GPU |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['step']} | {r['batch']} x {r['context']} | {r['host_us']:.1f} | {r['gpu_us']:.1f} | "
@@ -115,16 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for batch, context in (tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")):
         b = Batch(Shape(batch, context, q_heads, kv_heads, args.head_dim), gen)
-        steps = {"flash_attn_bf16": (lambda: flash_step(b), True)}
-        for p in args.presets.split(","):
-            steps[p] = (lambda p=p: ours_step(b, p), True)
-            steps[f"{p}, kernel[grid]"] = (lambda p=p: ours_step(b, p), False)
-        for name, (make, direct) in steps.items():
+        steps = {"flash_attn_bf16": lambda: flash_step(b)}
+        steps.update({p: (lambda p=p: ours_step(b, p)) for p in args.presets.split(",")})
+        for name, make in steps.items():
             fn = make()
-            launcher.DIRECT = direct  # Triton's own launch path, for comparison
             row = dict(step=name, batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads,
                        head_dim=args.head_dim, host_us=host_us(fn), gpu_us=time_graph(fn) * 1e3)
-            launcher.DIRECT = True
             print(f"{name:16s} {batch:4d} x {context:6d}: host {row['host_us']:7.1f} µs, GPU {row['gpu_us']:7.1f} µs",
                   flush=True)
             rows.append(row)

@@ -24,13 +24,10 @@ try:  # Triton 3.x internals; without them every launch takes kernel[grid]
 except ImportError:  # pragma: no cover - other Triton versions
     knobs = None
 
-# False sends every launch through kernel[grid] (benchmarks.layer_step times both ways).
-DIRECT = True
-
 
 def launch(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """kernel[grid](*args, **kwargs), through the compiled binary once there is one for these arguments."""
-    if not DIRECT or INTERPRETED or knobs is None or knobs.runtime.launch_enter_hook or knobs.runtime.launch_exit_hook:
+    if INTERPRETED or knobs is None or knobs.runtime.launch_enter_hook or knobs.runtime.launch_exit_hook:
         kernel[grid](*args, **kwargs)
         return
     # As JITFunction.run sets them: they enter the options, hence the cache key.
