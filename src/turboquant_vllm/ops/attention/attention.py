@@ -25,7 +25,6 @@ import torch
 from ...core.calibration import KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..launcher import launch
 from ..rotation import RotatedQuery, merge_and_unrotate, rotate_queries
 from ..utils import INTERPRETED, check_cache, check_calibration, check_dtype, check_index, next_pow2, page_constants
 from .decode import _decode_kernel
@@ -112,11 +111,11 @@ def paged_attention(
     decode_only = per_warp or decode and max_query_len == 1
     block_q = 1 if decode_only else max(1, 64 // g_pad)
     block_m = max(16, block_q * g_pad)
-    policy = decode_launch(layout.preset, head_dim) if decode_only else GENERAL_LAUNCH
-    num_warps = num_warps or policy.num_warps
+    launch = decode_launch(layout.preset, head_dim) if decode_only else GENERAL_LAUNCH
+    num_warps = num_warps or launch.num_warps
     block_n = block_n or 32 * num_warps
-    num_stages = num_stages or policy.num_stages
-    max_registers = policy.max_registers if max_registers is None else max_registers
+    num_stages = num_stages or launch.num_stages
+    max_registers = launch.max_registers if max_registers is None else max_registers
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, layout, num_sms(query.device)) if decode_only else 1
     need = attention_workspace_shape(num_tokens, num_q_heads, head_dim, num_splits)[0]
@@ -158,7 +157,7 @@ def paged_attention(
     k_table = c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16]
     strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
     if per_warp:
-        launch(_decode_kernel, (num_seqs * max_query_len, layout.num_kv_heads, num_splits),
+        _decode_kernel[(num_seqs * max_query_len, layout.num_kv_heads, num_splits)](
             q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
             c.value_values[torch.float16], part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0),
             c.key_int8_step,
@@ -169,7 +168,7 @@ def paged_attention(
         )
     else:
         grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
-        launch(_attention_kernel, (grid_q, layout.num_kv_heads, num_splits),
+        _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
             q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
             c.value_values[torch.float16], part_acc, part_ml, num_seqs, *strides, sliding_window or 0,
             float(softcap or 0.0), c.key_int8_step,

@@ -20,7 +20,6 @@ import triton.language as tl
 from ...core.calibration import KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..launcher import launch
 from ..utils import (
     INTERPRETED,
     check_cache,
@@ -133,7 +132,7 @@ def dequantize_pages(
     key_mean, key_scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (c.rotation, c.rotation)
     block_n, d_pad = 64, next_pow2(layout.head_dim)
     grid = (triton.cdiv(max_seq_len, block_n), num_seqs, layout.num_kv_heads)
-    launch(_dequant_kernel, grid,
+    _dequant_kernel[grid](
         kv_cache, block_table, seq_lens, cu_seqlens_k, c.key_values[torch.float16], c.value_values[torch.float16],
         c.rotation_fp16, key_mean, key_scale, k, v,
         block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), k.stride(0), k.stride(1),

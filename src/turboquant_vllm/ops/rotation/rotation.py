@@ -22,7 +22,6 @@ import triton.language as tl
 from ...core.calibration import KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..launcher import launch
 from ..utils import INTERPRETED, next_pow2, round_to
 
 LARGE_ROWS = 4096  # rows (tokens x query heads) above which a launch takes the wide tiles
@@ -181,7 +180,7 @@ def rotate_queries(
     # any valid pointers without a calibration
     key_mean, key_scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (rotation, rotation)
     block_r, warps = launch_shape(rows, head_dim)
-    launch(_rotate_queries_kernel, (triton.cdiv(rows, block_r),),
+    _rotate_queries_kernel[(triton.cdiv(rows, block_r),)](
         query, out, out if offset is None else offset, rotation, key_mean, key_scale, rows, q_heads,
         q_heads // layout.num_kv_heads, query.stride(0), query.stride(1), float(scale),
         CALIBRATION=2 if key_calibration is not None else 0, HEAD_DIM=head_dim,
@@ -208,7 +207,7 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
     if not 1 <= per_program <= block_r:
         raise ValueError(f"rows_per_program must lie in [1, {block_r}], got {rows_per_program}")
     s_pad = next_pow2(num_splits)
-    launch(_merge_and_unrotate_kernel, (triton.cdiv(rows, per_program),),
+    _merge_and_unrotate_kernel[(triton.cdiv(rows, per_program),)](
         part_acc, part_ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
         S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r, ROWS=per_program,
         BLOCK_K=max(16, min(32, 512 // (s_pad * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,

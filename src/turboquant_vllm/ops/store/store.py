@@ -16,7 +16,6 @@ import triton.language as tl
 from ...core.calibration import MIN_UNCENTERED_NORM, KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..launcher import launch
 from ..rotation.rotation import RotatedQuery, center_keys, rotate_rows
 from ..utils import (
     INTERPRETED,
@@ -188,7 +187,7 @@ def store_kv(
     group = 0 if query is None else query.shape[1] // layout.num_kv_heads
     q_in = key if query is None else query  # any valid pointer when there is no query
     grid = (triton.cdiv(num_tokens, block_t), layout.num_kv_heads, 2 + group)
-    launch(_store_kv_kernel, grid,
+    _store_kv_kernel[grid](
         key, value, c.rotation, mean, scale, kv_cache, slot_mapping, c.key_boundaries, c.value_boundaries,
         c.key_values[torch.float32], c.value_values[torch.float32],
         num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
