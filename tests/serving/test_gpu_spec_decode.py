@@ -66,11 +66,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script too: benchmarks
 from benchmarks import common, engine_rows  # noqa: E402
 from tests.serving import soak_summary, text_prompts  # noqa: E402
 from tests.serving import test_gpu_openai_server as srv  # noqa: E402
+from turboquant_vllm.core.presets import PRESETS  # noqa: E402
 
 TAG = "SPEC_ROW"
 READY = "SPEC_ENGINE_READY"
-KV = {"tq4": ("CUSTOM", "tq4"), "tq3": ("CUSTOM", "tq3"), "bf16": ("FLASH_ATTN", None),
-      "fp8": ("FLASH_ATTN", None)}
+KV = {**{p: ("CUSTOM", p) for p in PRESETS}, "bf16": ("FLASH_ATTN", None), "fp8": ("FLASH_ATTN", None)}
 KV_CACHE_DTYPE = {"fp8": "fp8"}  # vLLM's fp8 e4m3 cache on FLASH_ATTN: its own quantized cache, a second control
 CONTROLS = ("bf16", "fp8")
 METHODS = ("ngram", "ngram_gpu", "draft_model")
