@@ -117,7 +117,8 @@ def paged_attention(
     num_stages = num_stages or launch.num_stages
     max_registers = launch.max_registers if max_registers is None else max_registers
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, layout, num_sms(query.device)) if decode_only else 1
+        # decode, not decode_only: 5-bit keys verify in the general kernel at the split count the backend passes
+        num_splits = decode_num_splits(num_seqs, layout, num_sms(query.device)) if decode else 1
     need = attention_workspace_shape(num_tokens, num_q_heads, head_dim, num_splits)[0]
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=query.device)
