@@ -7,6 +7,7 @@ from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.ops import dequantize_pages, paged_attention, store_kv, warm_up, warmup
 from turboquant_vllm.ops.attention.decode import _decode_kernel
+from turboquant_vllm.ops.attention.launch import decode_num_splits, num_sms
 from turboquant_vllm.ops.attention.general import _attention_kernel
 from turboquant_vllm.ops.dequant.dequant import _dequant_kernel
 from turboquant_vllm.ops.rotation.rotation import LARGE_ROWS, _merge_and_unrotate_kernel
@@ -38,8 +39,8 @@ def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
             key_calibration=random_calibration(gen, 2, 64, DEVICE), dense_prefill=dense_prefill,
             decode_batches=[1, 2, 3, 4, 130, 131, 2] if dense_prefill else [2, 1],  # (wide tiles interpret slowly)
             decode_query_len=1 if dense_prefill else 4)
-    assert ("store_kv", 16, None, None) in calls and ("store_kv", 64, None, None) in calls
-    assert ("store_kv", None, None, "query") in calls  # a decode step's store + query rotation (small tiles)
+    # both tiles, with the step's queries rotated in the same launch or not (dense or batch-invariant prefills)
+    assert {("store_kv", t, None, q) for t in (16, 64) for q in (None, "query")} <= set(calls)
     assert (("dequantize_pages", None, None, None) in calls) == dense_prefill
     query_rows = [c[2] * 32 for c in calls if c[0] == "paged_attention" and c[2] > 4]  # prefills: query = context
     assert min(query_rows) <= LARGE_ROWS < max(query_rows)  # both tilings of the query rotation
@@ -68,6 +69,9 @@ def serving_launches(layout: CacheLayout, dtype: torch.dtype, q_heads: int, devi
     cu = torch.tensor([0, 500, 577, 586], dtype=torch.int32, device=device)
     store_kv(k, v, cache, slots, layout)  # >= STORE_LARGE_BATCH tokens: the large tiles
     store_kv(k[:40], v[:40], cache, slots[:40], layout)  # a short prefill: the small ones
+    # with the step's queries rotated in the same launch, as the backend stores (but for dense prefills)
+    rotated = store_kv(k, v, cache, slots, layout, query=q, query_scale=head_dim**-0.5)
+    store_kv(k[:40], v[:40], cache, slots[:40], layout, query=q[:40], query_scale=head_dim**-0.5)
     dequantize_pages(cache, layout, block_table, seq_lens, cu, 586, 500, dtype)
     # A mixed batch's prefill rows: metadata slices that start mid-tensor (pointers at any alignment).
     dequantize_pages(cache, layout, block_table[1:], seq_lens[1:], cu[1:] - 500, 86, 77, dtype)
@@ -76,18 +80,23 @@ def serving_launches(layout: CacheLayout, dtype: torch.dtype, q_heads: int, devi
                     out=out)
     paged_attention(q[:86], cache, layout, block_table[1:], cu[1:] - 500, seq_lens[1:], max_query_len=77,
                     scale=head_dim**-0.5, out=out[:86])
+    # as the backend runs a mixed batch's prefills: their rows of the store's rotated queries, from row 500 on
+    paged_attention(q[500:586], cache, layout, block_table[1:], cu[1:] - 500, seq_lens[1:], max_query_len=77,
+                    scale=head_dim**-0.5, out=out[500:586], num_splits=1, rotated_query=rotated.tokens(500, 586))
+    splits = decode_num_splits(3, layout, num_sms(device))  # the backend passes its split count explicitly
     decode_out = torch.full_like(q[:3], float("nan"))
     paged_attention(q[:3], cache, layout, block_table, torch.arange(4, dtype=torch.int32, device=device), seq_lens,
                     max_query_len=1, scale=head_dim**-0.5, out=decode_out)  # 3 decodes, the policy's split count
     rotated = store_kv(k[:3], v[:3], cache, slots[:3], layout, query=q[:3], query_scale=head_dim**-0.5)
     paged_attention(q[:3], cache, layout, block_table, torch.arange(4, dtype=torch.int32, device=device), seq_lens,
-                    max_query_len=1, scale=head_dim**-0.5, out=decode_out, rotated_query=rotated)  # as vLLM steps
+                    max_query_len=1, scale=head_dim**-0.5, out=decode_out, rotated_query=rotated,
+                    num_splits=splits, decode=True)  # as vLLM steps
     # A speculative verification of 3 drafted tokens (4 query slots a sequence, the last sequence drafted 1).
     verify_out = torch.full_like(q[:10], float("nan"))
     rotated = store_kv(k[:10], v[:10], cache, slots[:10], layout, query=q[:10], query_scale=head_dim**-0.5)
     paged_attention(q[:10], cache, layout, block_table, torch.tensor([0, 4, 8, 10], dtype=torch.int32, device=device),
                     seq_lens, max_query_len=4, scale=head_dim**-0.5, out=verify_out, rotated_query=rotated,
-                    decode=True)
+                    num_splits=splits, decode=True)
     torch.cuda.synchronize()
     assert not out.isnan().any() and not decode_out.isnan().any() and not verify_out.isnan().any()
 

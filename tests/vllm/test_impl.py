@@ -1,6 +1,6 @@
 """The impl end to end on one step (runs the Triton kernels; on a CPU through TRITON_INTERPRET): forward stores
 the new keys/values and attends with the builder's metadata; compared with the pure-PyTorch reference over the
-same compressed pages. A mixed step and a step of decodes only (whose store launch also rotates the queries)."""
+same compressed pages. A mixed step and a step of decodes only (the store launch also rotates the queries)."""
 
 from __future__ import annotations
 
@@ -89,10 +89,10 @@ def test_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatc
     md = builder.build(0, cam)
     assert (md.num_decodes, md.num_prefills) == ((2, 2) if step == "mixed" else (3, 0)) and md.decode_num_splits > 1
     output = torch.full((n_padded, Q_HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
-    if step == "decodes":  # the store launch rotates the queries: no launch of its own
-        import turboquant_vllm.ops.attention.attention as attention_entry
+    # The store launch rotates every query (decodes' and prefills'): no launch of its own.
+    import turboquant_vllm.ops.attention.attention as attention_entry
 
-        monkeypatch.setattr(attention_entry, "rotate_queries", None)
+    monkeypatch.setattr(attention_entry, "rotate_queries", None)
     impl.forward(layer, query, key, value, kv_cache, md, output=output)  # stores this step's keys / values first
 
     expected = paged_attention_reference(

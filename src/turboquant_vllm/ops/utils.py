@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from types import MappingProxyType
 
 import torch
 import triton
@@ -282,11 +284,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def page_constants(layout: CacheLayout) -> dict:
-    """The page layout as the constexprs every kernel that reads or writes the cache takes."""
-    return dict(
+@functools.lru_cache(maxsize=None)
+def page_constants(layout: CacheLayout) -> MappingProxyType:
+    """The page layout as the constexprs every kernel that reads or writes the cache takes (read-only: computed once
+    per layout, outside the launches' host path)."""
+    return MappingProxyType(dict(
         HEAD_DIM=layout.head_dim, D_PAD=next_pow2(layout.head_dim), BLOCK_SIZE=layout.block_size,
         K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits, K_CODE_BYTES=layout.key_code_bytes,
         V_CODE_BYTES=layout.value_code_bytes, K_NORM_OFF=layout.key_norm_offset, V_CODE_OFF=layout.value_code_offset,
         V_NORM_OFF=layout.value_norm_offset,
-    )
+    ))

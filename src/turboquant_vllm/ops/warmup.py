@@ -46,8 +46,12 @@ def warm_up(
     key = torch.randn(n, layout.num_kv_heads, d, dtype=dtype, device=device)
     value = torch.randn_like(key)
     slots = torch.arange(n, dtype=torch.int64, device=device)
+    queries = torch.randn(n, num_q_heads, d, dtype=dtype, device=device)
+    # A step stores its keys with its queries' rotation in one launch, or without (dense or batch-invariant prefill).
     for block_t in sorted({store_block_tokens(1, d), store_block_tokens(STORE_LARGE_BATCH, d)}):
-        store_kv(key, value, cache, slots, layout, key_calibration, block_t=block_t)
+        for query in (None, queries):
+            store_kv(key, value, cache, slots, layout, key_calibration, block_t=block_t, query=query,
+                     query_scale=d**-0.5)
     block_table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
 
     def sequence(length: int) -> tuple[torch.Tensor, torch.Tensor]:  # its seq_lens and query / context starts
@@ -63,9 +67,6 @@ def warm_up(
     seq_lens, starts = sequence(n)
     if dense_prefill:  # one binary whatever the lengths
         dequantize_pages(cache, layout, block_table, seq_lens, starts, n, n, dtype, key_calibration)
-    query = torch.randn(1, num_q_heads, d, dtype=dtype, device=device)  # one decode over the whole context
-    # A step of decodes stores their keys and rotates their queries in one launch (eager serving runs it uncaptured).
-    store_kv(key[:1], value[:1], cache, slots[-1:], layout, key_calibration, query=query, query_scale=d**-0.5)
     sms = num_sms(device)
     binaries = {}  # (query length, split count, merge rows, merge tile) -> the fewest sequences that launch it
     for q_len in sorted({1, decode_query_len}):

@@ -24,7 +24,7 @@ import torch
 from ..core.calibration import KeyCalibration, KeyStatistics
 from ..core.layout import CacheLayout, cache_layout, layout_of_cache
 from ..core.presets import Preset
-from ..ops import dequantize_pages, paged_attention, store_kv, warm_up
+from ..ops import RotatedQuery, dequantize_pages, paged_attention, store_kv, warm_up
 from ..ops.constants import kernel_constants
 from ..ops.utils import check_cache
 from . import compat
@@ -189,19 +189,24 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         return self._bound[1]
 
     def _store(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-               kv_cache: torch.Tensor, layout: CacheLayout, md: TQ4Metadata) -> torch.Tensor | None:
-        """Quantize the step's keys/values into their slots. In a batch of decodes only, the same launch rotates
-        their queries into the cache's basis: returns them for paged_attention (None otherwise)."""
+               kv_cache: torch.Tensor, layout: CacheLayout, md: TQ4Metadata) -> RotatedQuery | None:
+        """Quantize the step's keys/values into their slots; the same launch rotates the queries paged_attention
+        takes into the cache's basis and returns them (None without any): the decodes', and the prefills' unless
+        they run the dense path (bf16 FlashAttention over dequantized pages takes them unrotated): no
+        rotate_queries launch of its own, as eager steps are bound by issuing launches (benchmarks/layer_step)."""
         if key is None or value is None or self.kv_sharing_target_layer_name is not None:
             return None  # the layer reads another layer's cache
         # key/value may be padded past the real tokens; slot_mapping is not.
         n = min(md.slot_mapping.shape[0], key.shape[0])
         if self.collect_statistics:
             self._statistics().add_keys(key[:n][md.slot_mapping[:n] >= 0])
-        decodes_only = md.num_decodes and not md.num_prefills and not md.batch_invariant  # fused: ~1 fp16 ulp apart
+        rotated = 0
+        if not md.batch_invariant:  # batch-invariant: rotate_queries' arithmetic, whatever the step
+            rotated = md.num_decode_tokens
+            if md.num_prefills and md.prefill_cu_seqlens_k is None:
+                rotated += md.num_prefill_tokens
         return store_kv(key[:n], value[:n], kv_cache, md.slot_mapping, layout, self.key_calibration,
-                        query=query[: md.num_decode_tokens] if decodes_only else None, query_scale=self.scale,
-                        validate=False)
+                        query=query[:rotated] if rotated else None, query_scale=self.scale, validate=False)
 
     def forward(
         self,
@@ -232,7 +237,8 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
             paged_attention(
                 query[:nd], kv_cache, layout, md.decode_block_table, md.decode_query_start_loc, md.decode_seq_lens,
                 max_query_len=md.decode_query_len, out=output[:nd], num_splits=md.decode_num_splits,
-                rotated_query=rotated, batch_invariant=md.batch_invariant, decode=True, **common,
+                rotated_query=rotated and rotated.tokens(0, nd), batch_invariant=md.batch_invariant, decode=True,
+                **common,
             )
         if md.num_prefills:
             lo, hi = md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
@@ -247,6 +253,6 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
                 paged_attention(
                     query[lo:hi], kv_cache, layout, md.prefill_block_table, md.prefill_query_start_loc,
                     md.prefill_seq_lens, max_query_len=md.prefill_max_query_len, out=output[lo:hi], num_splits=1,
-                    **common,
+                    rotated_query=rotated and rotated.tokens(lo, hi), **common,
                 )
         return output

@@ -142,7 +142,7 @@ def paged_attention(
             q_offset.shape != query.shape[:2] or q_offset.dtype != torch.float32 or not q_offset.is_contiguous()):
         raise ValueError("rotated_query must carry contiguous float32 offsets of shape (tokens, q_heads) exactly "
                          "when the keys are calibrated")
-    constants = page_constants(layout)
+    constants = dict(page_constants(layout))
     if layout.preset.k_bits == 5:
         # Triton 3.6 miscompiles the general kernel's MMAs over 5-bit key tiles of 32 coordinate pairs (head_dim 64:
         # shared-memory addresses out of range, or wrong scores; compute-sanitizer in

@@ -11,7 +11,7 @@ from .tiles import int8_query, int_mma, query_halves, value_norm_terms
 # num_seqs changes with every batch, stride_bt with max_model_len, and a mixed batch's prefill rows start
 # mid-tensor (any alignment): none of them recompiles (ops.warmup)
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
-            do_not_specialize_on_alignment=["block_table_ptr", "qsl_ptr", "seq_lens_ptr"])
+            do_not_specialize_on_alignment=["q_offset_ptr", "block_table_ptr", "qsl_ptr", "seq_lens_ptr"])
 def _attention_kernel(
     q_ptr, q_offset_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr,
     part_acc_ptr, part_ml_ptr,

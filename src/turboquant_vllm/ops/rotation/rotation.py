@@ -158,6 +158,10 @@ class RotatedQuery(NamedTuple):
     offset: torch.Tensor | None  # key calibration only: (tokens, q_heads) fp32 q.key mean * softmax scale, what the
     # kernels subtract from the score of an uncentered key (core.calibration)
 
+    def tokens(self, lo: int, hi: int) -> RotatedQuery:
+        """Tokens lo .. hi (a step's decodes or its prefills)."""
+        return RotatedQuery(self.query[lo:hi], None if self.offset is None else self.offset[lo:hi])
+
 
 def rotate_queries(
     query: torch.Tensor, layout: CacheLayout, scale: float, key_calibration: KeyCalibration | None = None,
