@@ -591,6 +591,11 @@ def markdown(entries: list[dict], settings: dict) -> str:
                      f"{e['unexplained']} | {acc} | {engine_rows.fmt(e['speedup_batch'], '.2f')} | "
                      f"{engine_rows.fmt(e['speedup_single'], '.2f')} | {e['full_graph_steps']} "
                      f"({e['full_graph_steps_dense_size']}) | {'passed' if e['passed'] else '**FAILED**'} |")
+    runs: dict[tuple, list[str]] = {}  # rows merged from several runs: each run's command and commit
+    for e in entries:
+        runs.setdefault((e.get("command"), e.get("commit")), []).append(f"{e['kv']} {e['method']}")
+    lines += ["", "Rows by run:", ""]
+    lines += [f"- {', '.join(rows)}: `{command}` at commit {commit}" for (command, commit), rows in runs.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -340,6 +340,8 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
     md = (tmp_path / "spec.md").read_text()
     assert "**FAILED**" in md and "refused at startup" in md
     assert "| bf16 | ngram | 11 | 10 | 11 | 0 / 1 (66) | 1 | 0 |" in md
+    # rows merged from several runs name theirs
+    assert "- tq4 ngram, tq3 ngram, bf16 ngram, fp8 ngram: `python tests/serving/test_gpu_spec_decode.py ...` at" in md
 
 
 @pytest.mark.skipif(not DATA.is_dir(), reason="no ../shared/data")
