@@ -316,29 +316,6 @@ def test_verification_equals_decode_at_each_position(preset, head_dim, dtype, wi
     assert rel(verified, ref) < TOLERANCE[dtype] and rel(decoded, ref) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("q_len,splits,dtype", [(1, 3, torch.bfloat16), (1, 1, torch.float16), (4, 5, torch.bfloat16)])
-def test_decode_merges_in_its_last_split_program(monkeypatch, q_len, splits, dtype):
-    """The decode kernel's last split program of each query slot and KV head merges the partials and rotates back:
-    no merge launch. The tickets it counts on are left at zero, as the next launch (a CUDA graph's replay) needs."""
-    import turboquant_vllm.ops.attention.attention as entry
-
-    monkeypatch.setattr(entry, "merge_and_unrotate", None)  # a merge launch fails
-    gen = torch.Generator().manual_seed(q_len * 10 + splits)
-    seq_lens = [5, 70, 33]
-    b = make_paged_batch(gen, "tq4", 64, 2, 16, seq_lens, dtype, DEVICE)
-    store_kv(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout)
-    query = torch.randn(len(seq_lens) * q_len, 6, 64, generator=gen).to(dtype).to(DEVICE)
-    qsl = torch.arange(0, query.shape[0] + 1, q_len, dtype=torch.int32, device=DEVICE)
-    out = torch.full_like(query, float("nan"))
-    paged_attention(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=q_len, scale=0.125,
-                    out=out, num_splits=splits, min_split_tokens=16, decode=True)  # short splits: all of them work
-    ref = paged_attention_reference(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, 0.125)
-    assert not out.isnan().any()
-    err = torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)
-    assert err < TOLERANCE[dtype], err
-    assert not entry.decode_tickets(torch.device(DEVICE), 1).any()
-
-
 def test_batch_invariant_rows_ignore_the_batch_and_the_query_length():
     """batch_invariant=True: a decode row alone, beside other sequences, or as the last row of a four-token query gives
     the same bits; a split count other than one is refused."""

@@ -44,9 +44,10 @@ def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
     assert (("dequantize_pages", None, None, None) in calls) == dense_prefill
     query_rows = [c[2] * 32 for c in calls if c[0] == "paged_attention" and c[2] > 4]  # prefills: query = context
     assert min(query_rows) <= LARGE_ROWS < max(query_rows)  # both tilings of the query rotation
-    # decodes: one launch per distinct binary of the decode kernel (it merges its splits itself): 1 sequence (64
-    # splits), 2 (32; 3 take the same), 130 (4); verifications of 4 tokens a sequence: 1 and 2 sequences
-    assert decodes == ([(1, 1), (1, 2), (1, 130)] if dense_prefill else [(1, 1), (1, 2), (4, 1), (4, 2)])
+    # decodes: one launch per distinct binary: 1 sequence (64 splits, merge programs of 4 rows), 2 (32 splits, 64
+    # rows: 4 a program), 3 (96 rows: the tile's 16), 130 (4,160 rows: the wide merge tiles, 4 splits); verifications
+    # of 4 tokens a sequence: 1 and 2 sequences (128 and 256 rows)
+    assert decodes == ([(1, 1), (1, 2), (1, 3), (1, 130)] if dense_prefill else [(1, 1), (1, 2), (4, 1), (4, 2)])
 
 
 def compiled(kernel) -> int:

@@ -21,8 +21,8 @@ import triton
 
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
-from .attention import decode_tickets, paged_attention
-from .attention.launch import decode_merge_rows, decode_num_splits, num_sms, per_warp_decode
+from .attention import paged_attention
+from .attention.launch import decode_merge_rows, decode_num_splits, num_sms
 from .dequant import dequantize_pages
 from .rotation.rotation import LARGE_ROWS, launch_shape
 from .store.store import STORE_LARGE_BATCH, store_block_tokens, store_kv
@@ -38,7 +38,6 @@ def warm_up(
     (their split count and their merge's tiling), of one query token a sequence and of decode_query_len (speculative
     verification). dense_prefill: whether long prefills expand the context (FlashAttention present)."""
     d, block = layout.head_dim, layout.block_size
-    decode_batches = sorted(set(decode_batches))
     # One sequence; the general kernel runs it as a short prefill and as one of over LARGE_ROWS query rows.
     lengths = (block, triton.cdiv(LARGE_ROWS + 1, num_q_heads))
     n = max(lengths)
@@ -69,17 +68,12 @@ def warm_up(
     if dense_prefill:  # one binary whatever the lengths
         dequantize_pages(cache, layout, block_table, seq_lens, starts, n, n, dtype, key_calibration)
     sms = num_sms(device)
-    # (query length, split count[, merge rows, merge tile]) -> the fewest sequences that launch it; the decode
-    # kernel merges its splits itself, the general kernel (5-bit keys) has a merge launch
-    merges = not per_warp_decode(layout.preset)
-    binaries = {}
+    binaries = {}  # (query length, split count, merge rows, merge tile) -> the fewest sequences that launch it
     for q_len in sorted({1, decode_query_len}):
-        for seqs in decode_batches:
+        for seqs in sorted(set(decode_batches)):
             rows = seqs * q_len * num_q_heads
-            merge = (decode_merge_rows(rows), launch_shape(rows, d)) if merges else ()
-            binaries.setdefault((q_len, decode_num_splits(seqs, layout, sms), *merge), seqs)
-    if decode_batches:  # the decode kernel's tickets, allocated now rather than inside a CUDA-graph capture
-        decode_tickets(device, max(decode_batches) * max(1, decode_query_len) * layout.num_kv_heads)
+            binaries.setdefault((q_len, decode_num_splits(seqs, layout, sms), decode_merge_rows(rows),
+                                 launch_shape(rows, d)), seqs)
     for (q_len, *_), seqs in binaries.items():  # every sequence reads the one scratch context
         query = torch.randn(seqs * q_len, num_q_heads, d, dtype=dtype, device=device)
         paged_attention(query, cache, layout, block_table.repeat(seqs, 1),

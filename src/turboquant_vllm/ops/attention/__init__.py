@@ -1,6 +1,6 @@
 """Paged attention over the compressed cache; reference: naive.paged_attention_reference."""
 
-from .attention import decode_tickets, paged_attention
+from .attention import paged_attention
 from .launch import (
     MAX_DECODE_QUERY_LEN,
     AttentionLaunch,
@@ -13,5 +13,5 @@ from .launch import (
 
 __all__ = [
     "MAX_DECODE_QUERY_LEN", "AttentionLaunch", "attention_workspace_shape", "decode_launch", "decode_num_splits",
-    "decode_tickets", "num_sms", "paged_attention", "split_count",
+    "num_sms", "paged_attention", "split_count",
 ]

@@ -3,11 +3,9 @@
 Reference: naive.paged_attention_reference.
 
 Attention runs in the rotated basis: q.k = ||k|| (R q).value[code_k] and
-sum_j p_j v_j = R^T sum_j p_j ||v_j|| value[code_v,j]. ops.rotation rotates the queries once before (or the store
-launch does) and the outputs once after, merging the splits (ops.rotation.merge_rows: in the decode kernel's last
-split program, or a merge launch after the general kernel); the inner loop is load codes -> unpack -> table lookup
--> MMA, with the norms applied to the scores (keys) and to the exponents (values: log2 of the norm), never per
-element. 4-bit
+sum_j p_j v_j = R^T sum_j p_j ||v_j|| value[code_v,j]. ops.rotation rotates the queries once before and the
+outputs once after (merging the splits there); the inner loop is load codes -> unpack -> table lookup -> MMA, with
+the norms applied to the scores (keys) and to the exponents (values: log2 of the norm), never per element. 4-bit
 keys decode to int8 (one byte permute per 4 codes; the codebook lies on an int8 grid: core.codebook.codebook) and
 meet the queries' int8 hi / lo parts in exact integer MMAs; values decode to fp16.
 Under a key calibration a negative key norm marks a key stored uncentered (core.calibration): its score is taken
@@ -16,8 +14,7 @@ with the norm's magnitude, minus its query's offset (ops.rotation.RotatedQuery.o
 Two kernels: decode.py (one-warp programs of one query token each, every preset but 5-bit keys; a sequence of a
 few query tokens, a speculative verification, runs as that many decodes) and general.py (tiles of query tokens,
 all query heads of one KV head per program, so each compressed byte is read once per KV head). Both split the
-context when launch.py says so and write partials to the workspace (the decode kernel's split programs of a query
-token take tickets, decode_tickets, and the last one merges); which kernel, how many warps, stages, registers
+context when launch.py says so and write partials to the workspace; which kernel, how many warps, stages, registers
 and splits is decided in launch.py alone.
 """
 
@@ -36,7 +33,6 @@ from .launch import (
     GENERAL_LAUNCH,
     MAX_DECODE_QUERY_LEN,
     MIN_SPLIT_TOKENS,
-    MIN_TICKETS,
     attention_workspace_shape,
     decode_launch,
     decode_merge_rows,
@@ -44,24 +40,6 @@ from .launch import (
     num_sms,
     per_warp_decode,
 )
-
-
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def decode_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The decode kernel's split tickets on device, >= count int32 counters at zero (each launch leaves them so).
-    One buffer per device, shared by every layer (their launches are ordered on the stream); grown only outside a
-    CUDA-graph capture, so serving reserves its largest decode batch at warm-up (ops.warmup)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    tickets = _tickets.get(device)
-    if tickets is None or tickets.numel() < count:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode tickets for {count} programs were not reserved before CUDA-graph capture "
-                               f"(ops.warmup.warm_up reserves the largest decode batch's)")
-        tickets = _tickets[device] = torch.zeros(max(count, MIN_TICKETS), dtype=torch.int32, device=device)
-    return tickets
 
 
 def paged_attention(
@@ -94,11 +72,10 @@ def paged_attention(
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
     key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice), min_split_tokens (the decode
-    kernel's least tokens a split), merge_rows (rows a merge program of the general kernel's partials takes:
-    ops.rotation.merge_and_unrotate): None takes the launch policy's choice (launch.py) for decode, the general
-    kernel's otherwise. rotated_query: the query already in the cache's basis (and its offsets under the key
-    calibration), as store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch
-    fewer). batch_invariant: every row computed as
+    kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate): None
+    takes the launch policy's choice (launch.py) for decode, the general kernel's otherwise. rotated_query: the query
+    already in the cache's basis (and its offsets under the key calibration), as store_kv(..., query=query,
+    query_scale=scale) returns it with the step's keys (one launch fewer). batch_invariant: every row computed as
     the general kernel computes it at one split, whatever the query length and the batch (decodes too): a row's
     output then depends on its own query and context only (vLLM's batch-invariant mode). decode: run every query
     token as a decode of its own causal prefix (None: when max_query_len is 1); with up to MAX_DECODE_QUERY_LEN
@@ -180,27 +157,25 @@ def paged_attention(
     )
     k_table = c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16]
     strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
-    if per_warp:  # the last split program of each query token and KV head merges: no merge launch
-        programs = num_seqs * max_query_len
-        _decode_kernel[(programs, layout.num_kv_heads, num_splits)](
+    if per_warp:
+        _decode_kernel[(num_seqs * max_query_len, layout.num_kv_heads, num_splits)](
             q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
-            c.value_values[torch.float16], part_acc, part_ml, out, c.rotation,
-            decode_tickets(query.device, programs * layout.num_kv_heads), *strides, out.stride(0), out.stride(1),
-            sliding_window or 0, float(softcap or 0.0), c.key_int8_step,
+            c.value_values[torch.float16], part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0),
+            c.key_int8_step,
             ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, QUERY_LEN=max_query_len,
-            S_PAD=next_pow2(num_splits), MERGE_ROWS=max(16, g_pad), V_CHUNKS=2 if head_dim > 64 else 1,
-            MIN_SPLIT_TOKENS=min_split_tokens or MIN_SPLIT_TOKENS, INTERPRET=INTERPRETED,
+            V_CHUNKS=2 if head_dim > 64 else 1,
+            MIN_SPLIT_TOKENS=min_split_tokens or MIN_SPLIT_TOKENS,
             **common,
         )
-        return out
-    grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
-    _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
-        q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
-        c.value_values[torch.float16], part_acc, part_ml, num_seqs, *strides, sliding_window or 0,
-        float(softcap or 0.0), c.key_int8_step,
-        G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DECODE_ONLY=decode_only,
-        **common,
-    )
+    else:
+        grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
+        _attention_kernel[(grid_q, layout.num_kv_heads, num_splits)](
+            q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
+            c.value_values[torch.float16], part_acc, part_ml, num_seqs, *strides, sliding_window or 0,
+            float(softcap or 0.0), c.key_int8_step,
+            G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, DECODE_ONLY=decode_only,
+            **common,
+        )
     if merge_rows is None and decode_only:
         merge_rows = decode_merge_rows(rows)
     return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout, merge_rows)

@@ -6,25 +6,23 @@ would. Every preset but 5-bit keys decodes here (launch.per_warp_decode). Entry 
 import triton
 import triton.language as tl
 
-from ..rotation.rotation import merge_rows
-from ..utils import load_halves, load_int8_quads, locate_tokens, mma, pair_index, round_to
+from ..utils import load_halves, load_int8_quads, locate_tokens, mma, pair_index
 from .tiles import int8_query, int_mma, query_halves, value_norm_terms
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width: one compile for all (ops.warmup)
 def _decode_kernel(
     q_ptr, q_offset_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr, part_acc_ptr,
-    part_ml_ptr, out_ptr, rot_ptr, ticket_ptr, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead,
-    stride_ot, stride_oh, sliding_window, softcap, k_step,
+    part_ml_ptr, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
     NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, WARP_N: tl.constexpr,
-    QUERY_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    MIN_SPLIT_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    QUERY_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     V_CHUNKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_CODE_BYTES: tl.constexpr,
     V_CODE_BYTES: tl.constexpr,
     K_NORM_OFF: tl.constexpr, V_CODE_OFF: tl.constexpr, V_NORM_OFF: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, CALIBRATED: tl.constexpr, UPCAST: tl.constexpr,
-    K_ASM: tl.constexpr, V_ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    K_ASM: tl.constexpr, V_ASM: tl.constexpr,
 ):
     """Decode (one query token per sequence): each warp runs its own online softmax over its own tokens, so the
     loop has no reduction across warps. 4-bit keys meet int8 queries in integer MMAs (as in _attention_kernel),
@@ -39,8 +37,6 @@ def _decode_kernel(
     CALIBRATED: keys stored with a key calibration; an uncentered one (negative norm) loses its query's offset.
     QUERY_LEN: query slots a sequence (programs along axis 0); the i-th token of a sequence of q tokens attends its
     first seq_len - (q - 1 - i) keys, and slots past q do nothing.
-    The splits' partials go to the workspace; the last split program of a (query slot, KV head) to finish (a ticket
-    from ticket_ptr, zero before the launch and left zero) merges them, rotates back and writes out: no merge launch.
     """
     seq = tl.program_id(0) // QUERY_LEN
     kv_head = tl.program_id(1)
@@ -167,21 +163,3 @@ def _decode_kernel(
     ml = part_ml_ptr + out_rows * (2 * NUM_SPLITS) + split
     tl.store(ml, m, mask=row_ok)
     tl.store(ml + NUM_SPLITS, tl.sum(l_i * w, axis=0), mask=row_ok)
-
-    # Every lane's partials stored (the barrier) before the ticket's release; its acquire makes the other split
-    # programs' partials visible to the last one.
-    tl.debug_barrier()
-    last = True
-    if NUM_SPLITS > 1:
-        ticket = ticket_ptr + tl.program_id(0) * tl.num_programs(1) + kv_head
-        last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1
-    if last:
-        r = tl.arange(0, MERGE_ROWS)
-        merge_ok = (r < GROUP) & live
-        merged = merge_rows(part_acc_ptr, part_ml_ptr, token * NUM_Q_HEADS + kv_head * GROUP + r, merge_ok, rot_ptr,
-                            NUM_SPLITS, S_PAD, HEAD_DIM, D_PAD, MERGE_ROWS, 16)
-        j = tl.arange(0, D_PAD)[None, :]
-        tl.store(out_ptr + token * stride_ot + (kv_head * GROUP + r)[:, None] * stride_oh + j,
-                 round_to(merged, out_ptr.dtype.element_ty, INTERPRET), mask=merge_ok[:, None] & (j < HEAD_DIM))
-        if NUM_SPLITS > 1:
-            tl.store(ticket, 0)  # the next launch (a CUDA graph's replay too) counts from zero

@@ -113,9 +113,6 @@ def decode_merge_rows(rows: int) -> int | None:
     return MERGE_ROWS_SMALL_BATCH if rows <= SMALL_BATCH_ROWS else None
 
 
-MIN_TICKETS = 4096  # decode tickets allocated at least: (query slots x KV heads) of a typical decode batch
-
-
 def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:
     """fp32 elements of scratch: each split's partials (accumulator, row max, row sum) per output row."""
     return (num_tokens * num_q_heads * num_splits * (head_dim + 2),)

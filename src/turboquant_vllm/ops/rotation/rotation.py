@@ -113,48 +113,36 @@ def _rotate_queries_kernel(
         tl.store(offset_ptr + rows, offset * scale, mask=row_ok)
 
 
-@triton.jit
-def merge_rows(acc_ptr, ml_ptr, rows, row_ok, rot_ptr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(softmax merge of the NUM_SPLITS partials of each of the rows) @ R in fp32, (BLOCK_R, D_PAD): unnormalized
-    accumulators at acc_ptr (rows, splits, d), log2-domain row maxima and sums at ml_ptr (rows, 2, splits); any number
-    of splits (S_PAD: a power of two >= it), one at a time, so a one-warp program holds a (rows, BLOCK_K) slice only.
-    Loads bypass L1: the decode kernel's last split program merges what other programs just wrote."""
-    s = tl.arange(0, S_PAD)
-    ml = ml_ptr + rows * (2 * NUM_SPLITS)
-    s_ok = row_ok[:, None] & (s[None, :] < NUM_SPLITS)
-    m = tl.load(ml[:, None] + s[None, :], mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    l_part = tl.load(ml[:, None] + NUM_SPLITS + s[None, :], mask=s_ok, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row that saw no key
-    total = tl.sum(tl.exp2(m - m_max[:, None]) * l_part, axis=1)
-    inv_total = 1.0 / tl.where(total == 0.0, 1.0, total)  # a row that saw no key stays 0
-    acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
-    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        ok = row_ok[:, None] & (k[None, :] < HEAD_DIM)
-        x = tl.zeros((BLOCK_R, BLOCK_K), tl.float32)
-        for split in range(NUM_SPLITS):
-            w = tl.exp2(tl.load(ml + split, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_max)
-            part = tl.load(acc_ptr + (rows[:, None] * NUM_SPLITS + split) * HEAD_DIM + k[None, :], mask=ok, other=0.0,
-                           cache_modifier=".cg")
-            x += part * (w * inv_total)[:, None]
-        acc = tl.dot(x, matrix_rows(rot_ptr, k0, HEAD_DIM, 1, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
-    return acc
-
-
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads"])
 def _merge_and_unrotate_kernel(
     acc_ptr, ml_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
     S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """out[row] = o[row] @ R, cast to out's dtype, o the softmax merge of NUM_SPLITS partials (merge_rows).
+    """out[row] = o[row] @ R, cast to out's dtype, o the softmax merge of NUM_SPLITS partials (unnormalized acc
+    (rows, splits, d), row maxima (log2) and sums in ml); any number of splits, padded to S_PAD = a power of two.
     Each program merges ROWS <= BLOCK_R rows (the MMA's tile keeps BLOCK_R >= 16; the rest masked)."""
     r = tl.arange(0, BLOCK_R)
     rows = tl.program_id(0) * ROWS + r
     row_ok = (r < ROWS) & (rows < num_rows)
-    acc = merge_rows(acc_ptr, ml_ptr, rows, row_ok, rot_ptr, NUM_SPLITS, S_PAD, HEAD_DIM, D_PAD, BLOCK_R, BLOCK_K)
+    s = tl.arange(0, S_PAD)
+    s_ok = row_ok[:, None] & (s[None, :] < NUM_SPLITS)
+    ml = ml_ptr + rows[:, None] * (2 * NUM_SPLITS) + s[None, :]
+    m = tl.load(ml, mask=s_ok, other=float("-inf"))
+    l_part = tl.load(ml + NUM_SPLITS, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row that saw no key
+    w = tl.exp2(m - m_max[:, None])
+    total = tl.sum(w * l_part, axis=1)
+    w = w / tl.where(total == 0.0, 1.0, total)[:, None]  # a row that saw no key stays 0
+    acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
+    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok[:, None] & (k[None, :] < HEAD_DIM)
+        part = tl.load(acc_ptr + (rows[:, None, None] * NUM_SPLITS + s[None, :, None]) * HEAD_DIM + k[None, None, :],
+                       mask=ok[:, None, :] & s_ok[:, :, None], other=0.0)
+        x = tl.sum(part * w[:, :, None], axis=1)
+        acc = tl.dot(x, matrix_rows(rot_ptr, k0, HEAD_DIM, 1, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
     token = rows // num_q_heads
     head = rows % num_q_heads
     j = tl.arange(0, D_PAD)
@@ -225,7 +213,7 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
     s_pad = next_pow2(num_splits)
     _merge_and_unrotate_kernel[(triton.cdiv(rows, per_program),)](
         part_acc, part_ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-        S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r, ROWS=per_program, BLOCK_K=32,
-        INTERPRET=INTERPRETED, num_warps=warps,
+        S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r, ROWS=per_program,
+        BLOCK_K=max(16, min(32, 512 // (s_pad * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
     )
     return out
