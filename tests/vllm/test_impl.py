@@ -196,6 +196,25 @@ def test_loaded_layers_warm_the_kernels_up_once_per_shape(vllm_config, bf16_defa
                      (32, KV_HEADS, torch.float16, Q_HEADS, 8, None)]
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_batch_invariant_mode_warms_up_only_the_kernels_it_runs(vllm_config, bf16_default, monkeypatch, invariant):
+    """VLLM_BATCH_INVARIANT=1 runs every row through the general kernel at one split, without the dense path: the
+    warm-up then compiles no decode kernel and no context expansion."""
+    from turboquant_vllm.vllm import compat, impl, settings
+
+    kwargs = []
+    monkeypatch.setattr(impl, "warm_up", lambda *a, **kw: kwargs.append(kw))
+    monkeypatch.setattr(compat, "batch_invariant", lambda: invariant)
+    monkeypatch.setattr(compat, "flash_attn_varlen", lambda: (object(), 3))
+    monkeypatch.setattr(settings, "_logged", set())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
+    layer.impl._warm_up(torch.bfloat16, torch.device("cpu"))
+    (kw,) = kwargs
+    assert kw["dense_prefill"] == (not invariant)
+    assert (list(kw["decode_batches"]) == []) == invariant
+
+
 @pytest.mark.parametrize("preset", ["tq4", "k5v4"])
 def test_batch_invariant_rows_equal_whatever_the_step(vllm_config, workspace, bf16_default, monkeypatch, preset):
     """VLLM_BATCH_INVARIANT=1: a row decoded alone, decoded beside another request, or verified as the last of four

@@ -168,11 +168,15 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
                           self.key_calibration is not None):
             return
         start = time.perf_counter()
-        # Every decode batch size: graph capture compiles those of the captured sizes only.
+        # Every decode batch size: graph capture compiles those of the captured sizes only. Batch-invariant mode runs
+        # every row through the prefill-side kernels (no decode kernel, no dense path, metadata.py).
         max_seqs = getattr(getattr(self.vllm_config, "scheduler_config", None), "max_num_seqs", None) or 1
+        invariant = compat.batch_invariant()
         warm_up(layout, dtype, self.num_heads, device, sliding_window=self.sliding_window, softcap=self.softcap,
-                key_calibration=self.key_calibration, dense_prefill=compat.flash_attn_varlen() is not None,
-                decode_batches=range(1, max_seqs + 1), decode_query_len=decode_query_len(self.vllm_config))
+                key_calibration=self.key_calibration,
+                dense_prefill=compat.flash_attn_varlen() is not None and not invariant,
+                decode_batches=() if invariant else range(1, max_seqs + 1),
+                decode_query_len=decode_query_len(self.vllm_config))
         torch.cuda.synchronize(device)
         logger.info("TurboQuant kernels ready in %.1f s (compiled now rather than inside the first requests)",
                     time.perf_counter() - start)
