@@ -113,5 +113,5 @@ def test_a_failed_engine_fails_the_demo(model_dir, a_gpu_with_vllm, monkeypatch,
     assert main(["demo", "--model", str(model_dir), "--preset", "tq4"]) == 1
     captured = capsys.readouterr()
     assert "CUDA out of memory" in captured.err
-    assert captured.out.strip().splitlines()[-1] == ("demo: FAILED (the vLLM TurboQuant tq4 engine exited with status 1 "
-                                                     "(its last lines above))")
+    assert captured.out.strip().splitlines()[-1] == (
+        "demo: FAILED (the vLLM TurboQuant tq4 engine exited with status 1 (its last lines above))")

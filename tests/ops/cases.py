@@ -9,7 +9,7 @@ import torch
 
 from turboquant_vllm.core.calibration import KeyCalibration
 from turboquant_vllm.core.layout import CacheLayout
-from turboquant_vllm.core.presets import PRESETS, get_preset
+from turboquant_vllm.core.presets import get_preset
 
 
 @dataclass

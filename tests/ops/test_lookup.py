@@ -164,7 +164,8 @@ def _int8_values(head_dim: int, device) -> torch.Tensor:
     """What each 4-bit key code means to the attention kernel: t with (t + 1/2) * step = its value."""
     c = _constants(4, 4, head_dim, torch.device(device))
     values = (c.key_int8.double().cpu() + 0.5) * c.key_int8_step
-    assert torch.allclose(values, Quantizer(4, head_dim).code_values("cpu", torch.float64), rtol=1e-7, atol=0)  # fp32 table
+    # the fp32 table
+    assert torch.allclose(values, Quantizer(4, head_dim).code_values("cpu", torch.float64), rtol=1e-7, atol=0)
     return c.key_int8
 
 

@@ -107,7 +107,8 @@ def test_a_preset_the_head_size_cannot_take_is_refused():
     presets = parse_layer_presets("5-7=k5v4", LAYER_PRESETS_ENV)
     presets.check(128, 30)
     presets.check(64, 30)
-    with pytest.raises(ValueError, match="layers 5-7 preset k5v4.*multiple of 16 in \\[32, 256\\], got 72.*another preset"):
+    with pytest.raises(ValueError,
+                       match="layers 5-7 preset k5v4.*multiple of 16 in \\[32, 256\\], got 72.*another preset"):
         presets.check(72, 30)
 
 
