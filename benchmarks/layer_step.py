@@ -101,7 +101,7 @@ class Mixed:
 def ours_mixed_step(m: Mixed, preset: str, separate_rotation: bool):
     """The step's launches as the backend issues them; the closure returns the step's attention output (the
     cache's layout and the cache come with it: run.layout, run.cache)."""
-    from turboquant_vllm.vllm.impl import dense_prefill_attention
+    from turboquant_vllm.vllm.impl import dense_prefill_attention, store_rotated_queries
     from turboquant_vllm.vllm.metadata import DENSE_PREFILL_MIN_TOKENS
 
     b, s, nd, dev = m.b, m.b.shape, m.b.shape.batch, m.query.device
@@ -116,7 +116,8 @@ def ours_mixed_step(m: Mixed, preset: str, separate_rotation: bool):
     out = torch.empty_like(m.query)
     scale = s.head_dim**-0.5
     dense = m.prefill >= DENSE_PREFILL_MIN_TOKENS
-    rotate = 0 if separate_rotation else nd if dense else m.tokens  # queries the store launch rotates
+    rotate = 0 if separate_rotation else store_rotated_queries(nd, m.prefill, dense_prefill=dense,
+                                                                 batch_invariant=False)
     total = s.context + m.prefill
     common = dict(scale=scale, workspace=ws, validate=False)
 

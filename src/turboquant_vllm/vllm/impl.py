@@ -50,6 +50,16 @@ KERNEL_BLOCK_MULTIPLE = 16  # vLLM block sizes we accept: multiples of 16 (Cache
 WAY_OUT = "serve this model with another --attention-backend"
 
 
+def store_rotated_queries(num_decode_tokens: int, num_prefill_tokens: int, *, dense_prefill: bool,
+                          batch_invariant: bool) -> int:
+    """How many of a step's queries (decodes first) its store launch rotates into the cache's basis: the decodes',
+    and the prefills' unless they take the dense path (bf16 FlashAttention over expanded pages takes them unrotated);
+    none in batch-invariant mode (rotate_queries' arithmetic, whatever the step)."""
+    if batch_invariant:
+        return 0
+    return num_decode_tokens + (0 if dense_prefill else num_prefill_tokens)
+
+
 def dense_prefill_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, layout: CacheLayout, block_table: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_k: torch.Tensor, *, total_k: int,
@@ -195,22 +205,19 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
     def _store(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                kv_cache: torch.Tensor, layout: CacheLayout, md: TQ4Metadata) -> RotatedQuery | None:
         """Quantize the step's keys/values into their slots; the same launch rotates the queries paged_attention
-        takes into the cache's basis and returns them (None without any): the decodes', and the prefills' unless
-        they run the dense path (bf16 FlashAttention over dequantized pages takes them unrotated): no
-        rotate_queries launch of its own, as eager steps are bound by issuing launches (benchmarks/layer_step)."""
+        takes (store_rotated_queries) and returns them (None without any): no rotate_queries launch of its own, as
+        eager steps are bound by issuing launches (benchmarks/layer_step)."""
         if key is None or value is None or self.kv_sharing_target_layer_name is not None:
             return None  # the layer reads another layer's cache
         # key/value may be padded past the real tokens; slot_mapping is not.
         n = min(md.slot_mapping.shape[0], key.shape[0])
         if self.collect_statistics:
             self._statistics().add_keys(key[:n][md.slot_mapping[:n] >= 0])
-        rotated = 0
-        if not md.batch_invariant:  # batch-invariant: rotate_queries' arithmetic, whatever the step
-            rotated = md.num_decode_tokens
-            if md.num_prefills and md.prefill_cu_seqlens_k is None:
-                rotated += md.num_prefill_tokens
+        rotate = store_rotated_queries(md.num_decode_tokens, md.num_prefill_tokens,
+                                       dense_prefill=md.prefill_cu_seqlens_k is not None,
+                                       batch_invariant=md.batch_invariant)
         return store_kv(key[:n], value[:n], kv_cache, md.slot_mapping, layout, self.key_calibration,
-                        query=query[:rotated] if rotated else None, query_scale=self.scale, validate=False)
+                        query=query[:rotate] if rotate else None, query_scale=self.scale, validate=False)
 
     def forward(
         self,
