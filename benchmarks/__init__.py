@@ -38,6 +38,8 @@ BENCHMARKS = {
                        "policy, with the error vs the reference (GPU)",
     "awq_gemm": "AWQ int4 GEMM: TurboMind's kernels vs vLLM's AWQ kernels and the dense matmul, per layer shape and "
                 "token count (GPU)",
+    "nvfp4_gemm": "NVFP4 weight GEMM (W4A16): quartet2's marlin path (Marlin, the weight decoded for cuBLAS, the "
+                  "policy) vs the bf16 matmul, per layer shape and token count (GPU)",
     "awq": "AWQ int4 serving in vLLM end to end: output tok/s and batch-1 decode latency per AWQ kernel (Machete, "
            "Marlin, Triton, TurboMind) on a Llama-3-8B-shaped checkpoint (GPU)",
     "weights": "weight quantization in vLLM end to end vs bf16 weights: output tok/s and batch-1 decode latency of "

@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from tests.quant.quartet2.layers import on_the_fly_layer
-from turboquant_vllm.quant.quartet2 import linear, marlin, method
+from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_dequant, method, nvfp4
 
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (1000, 1040)]  # (N, K); the last: padded to Marlin's tiles
-MS = [1, 7, 64, 300]
+MS = [1, 7, 64, 300, 700]  # 700: past marlin_dequant.DENSE_MIN_TOKENS, the weight decoded for one cuBLAS call
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -89,6 +89,34 @@ def test_marlin_is_w4a16(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_decoder_reads_the_real_repack_exactly(shape, dtype):
+    """gptq_marlin_repack's layout, read back by the probed tables (Triton and PyTorch): code x scale x vLLM's lift,
+    bit for bit; scratch past the weight untouched."""
+    n, k = shape
+    w, m = quantized(n, k), prepared(n, k, dtype)
+    t = marlin_dequant.tables(m.weight.device, dtype)
+    want = linear.unscaled_values(w.packed, w.scales) * (float(w.tensor_scale) / m.dense_alpha)
+    want[marlin.marlin_flushed_groups(w.scales, dtype).repeat_interleave(nvfp4.GROUP, dim=1)] = 0
+    out = torch.full((n * k + 7,), float("nan"), dtype=dtype, device="cuda")
+    assert torch.equal(marlin_dequant.dequantize(m.weight, m.weight_scale, t, n, k, out).float(), want)
+    assert out[n * k:].isnan().all()
+    assert torch.equal(marlin_dequant.dequantize_reference(m.weight, m.weight_scale, t, n, k), want)
+
+
+def test_small_scales_lifted_by_vllm_decode_exactly():
+    """A bf16 layer whose block scales vLLM lifts by a power of two (all far below 448): alpha undoes the lift."""
+    w = quantized(1024, 2048)
+    w = w._replace(scales=(w.scales.float() / 64).to(torch.float8_e4m3fn), tensor_scale=w.tensor_scale * 64)
+    m = marlin.prepare(w, torch.bfloat16)
+    assert float(w.tensor_scale) / m.dense_alpha > 1
+    x = torch.randn(600, 2048, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda")
+    x = x.to(torch.bfloat16)
+    assert_w4a16(marlin.marlin_linear(x, m), x, w)
+    assert_w4a16(marlin.marlin_linear(x[:5], m), x[:5], w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_fused_parts_with_their_own_tensor_scales(dtype):
     w = fused_weight()
     m = marlin.prepare(w, dtype)
@@ -112,18 +140,20 @@ def test_groups_below_marlins_scale_range_run_as_zeros():
     expected = w.scales.float() > 0
     expected[0, 0] = False
     assert torch.equal(flushed, expected) and flushed.float().mean() > 0.9
-    x = torch.randn(5, 512, generator=gen, device="cuda").to(torch.bfloat16)
+    x = torch.randn(600, 512, generator=gen, device="cuda").to(torch.bfloat16)
     x[:, :16] = 0
     assert linear.unscaled_values(w.packed, w.scales)[:, 16:].abs().sum() > 0  # the exact weight is not zero there
-    assert (marlin.marlin_linear(x, marlin.prepare(w, torch.bfloat16)) == 0).all()
+    m = marlin.prepare(w, torch.bfloat16)
+    assert (marlin.marlin_linear(x[:5], m) == 0).all() and (marlin.marlin_linear(x, m) == 0).all()  # both GEMMs
 
 
+@pytest.mark.parametrize("rows", [7, 600], ids=["marlin", "decoded"])
 @pytest.mark.parametrize("fused", [False, True], ids=["one-scale", "per-part"])
-def test_cuda_graph_replays_the_eager_output(fused):
+def test_cuda_graph_replays_the_eager_output(fused, rows):
     w = fused_weight() if fused else quantized(4096, 4096)
     m = marlin.prepare(w, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(7, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    x = torch.randn(rows, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     bias = torch.randn(m.size_n, generator=gen, device="cuda").to(torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -135,7 +165,7 @@ def test_cuda_graph_replays_the_eager_output(fused):
     with torch.cuda.graph(graph):
         y = marlin.marlin_linear(x, m, bias)
     for seed in (6, 7):
-        x.copy_(torch.randn(7, 4096, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        x.copy_(torch.randn(rows, 4096, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, marlin.marlin_linear(x, m, bias))
@@ -152,6 +182,20 @@ def test_the_method_serves_a_layer_through_marlin(monkeypatch, one_rank):
     layer = on_the_fly_layer(quant, weight, [1024], torch.bfloat16)
     x = torch.randn(3, 2048, device="cuda").to(torch.bfloat16)
     assert_w4a16(quant.apply(layer, x), x, linear.quantize_weight(weight))
+
+
+def test_torch_compile_chooses_the_gemm_per_call():
+    """One graph compiled for dynamic token counts: each call still takes its own GEMM (a custom op, not a traced
+    branch), the eager output bit for bit on either side of the threshold."""
+    m = prepared(4096, 4096, torch.bfloat16)
+    compiled = torch.compile(lambda x: marlin.marlin_linear(x, m), dynamic=True, fullgraph=True)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    for rows in (3, 700, 9, 1500):
+        x = torch.randn(rows, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+        assert torch.equal(compiled(x), marlin.marlin_linear(x, m))
+    decoded = m._replace(dense_min_tokens=1)
+    x = torch.randn(700, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    assert not torch.equal(marlin.marlin_linear(x, decoded), marlin.marlin_linear(x, m._replace(dense_min_tokens=0)))
 
 
 def _time(fn, iters=200):

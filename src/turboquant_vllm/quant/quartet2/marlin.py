@@ -29,14 +29,16 @@ Two things Marlin cannot hold as they are:
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 
-from . import nvfp4
+from . import marlin_dequant, nvfp4
 from .linear import NVFP4Weight
 
 DTYPES = (torch.bfloat16, torch.float16)
+DENSE_ENV = "TURBOQUANT_QUARTET2_DENSE_MIN_TOKENS"  # tokens from which a GEMM decodes the weight for cuBLAS; 0: never
 
 
 class VllmNVFP4(NamedTuple):
@@ -91,6 +93,8 @@ class MarlinNVFP4(NamedTuple):
     size_n: int
     size_k: int
     dtype: torch.dtype  # the activations' dtype the scales were prepared for
+    dense_alpha: float  # the decoded weight's matmul scale (marlin_dequant): the tensor scale / vLLM's scale lift
+    dense_min_tokens: int  # from this many tokens on, decode + cuBLAS instead of Marlin (0: never)
 
 
 def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
@@ -108,21 +112,73 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
         setattr(stub, name, torch.nn.Parameter(getattr(v, name), requires_grad=False))
     stub.bias = None
     marlin_utils_fp4.prepare_fp4_layer_for_marlin(stub)
+    # the power of two prepare_fp4_layer_for_marlin lifted the scales by (its own rule, on the same scales)
+    lift = marlin_utils_fp4._nvfp4_compute_scale_factor(v.weight_scale.to(torch.half), dtype)
+    n, k = stub.output_size_per_partition, stub.input_size_per_partition
+    dense_min_tokens = dense_threshold()
+    if dense_min_tokens:
+        marlin_dequant.reserve_scratch(n * k, v.weight.device, dtype)
+    _register_op()
     return MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, stub.workspace,
-                       v.channel_scale, stub.output_size_per_partition, stub.input_size_per_partition, dtype)
+                       v.channel_scale, n, k, dtype, float(v.weight_global_scale) / lift, dense_min_tokens)
+
+
+def dense_threshold() -> int:
+    """Tokens from which the marlin path's GEMMs decode the weight and call cuBLAS (DENSE_ENV, default
+    marlin_dequant.DENSE_MIN_TOKENS; 0 turns it off)."""
+    value = os.environ.get(DENSE_ENV, str(marlin_dequant.DENSE_MIN_TOKENS)).strip()
+    if not value.isdigit():
+        raise ValueError(f"{DENSE_ENV}={value!r}: give a token count (0: always Marlin)")
+    return int(value)
 
 
 def marlin_linear(x: torch.Tensor, m: MarlinNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias), W the exact NVFP4 weight, x (..., K) in m.dtype unquantized: W4A16; y in x's dtype. The
-    bias is added outside the kernel (Marlin would want it permuted, and after the per-column ratio)."""
-    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
-
+    bias is added outside the kernel (Marlin would want it permuted, and after the per-column ratio). From
+    m.dense_min_tokens tokens on, the weight is decoded for cuBLAS instead (marlin_dequant)."""
     if x.dtype != m.dtype:
         raise ValueError(f"this Marlin NVFP4 weight was prepared for {m.dtype} activations, got {x.dtype}")
-    y = marlin_utils_fp4.apply_fp4_marlin_linear(input=x, weight=m.weight, weight_scale=m.weight_scale,
-                                                 weight_global_scale=m.weight_global_scale, workspace=m.workspace,
-                                                 size_n=m.size_n, size_k=m.size_k)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.turboquant_vllm.quartet2_marlin_gemm(x2, m.weight, m.weight_scale, m.weight_global_scale,
+                                                        m.workspace, m.size_n, m.size_k, m.dense_alpha,
+                                                        m.dense_min_tokens).reshape(*x.shape[:-1], m.size_n)
     if m.channel_scale is not None:
         y32 = y.to(torch.float32) * m.channel_scale
         return (y32 if bias is None else y32 + bias.to(torch.float32)).to(x.dtype)
     return y if bias is None else y + bias
+
+
+def _marlin_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
+                 workspace: torch.Tensor, size_n: int, size_k: int, dense_alpha: float,
+                 dense_min_tokens: int) -> torch.Tensor:
+    """x (M, K) -> (M, N): Marlin, or from dense_min_tokens tokens on the weight decoded for one cuBLAS call. A custom
+    op, so that torch.compile leaves the choice to each call's token count instead of tracing one branch."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
+
+    if dense_min_tokens and x.shape[0] >= dense_min_tokens:
+        return marlin_dequant.dense_linear(x, weight, weight_scale, size_n, size_k, dense_alpha)
+    return marlin_utils_fp4.apply_fp4_marlin_linear(input=x, weight=weight, weight_scale=weight_scale,
+                                                    weight_global_scale=global_scale, workspace=workspace,
+                                                    size_n=size_n, size_k=size_k)
+
+
+def _marlin_gemm_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
+                      workspace: torch.Tensor, size_n: int, size_k: int, dense_alpha: float,
+                      dense_min_tokens: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], size_n))
+
+
+def _register_op() -> None:
+    """torch.ops.turboquant_vllm.quartet2_marlin_gemm, once per process."""
+    if hasattr(torch.ops.turboquant_vllm, "quartet2_marlin_gemm"):
+        return
+    from torch.library import Library
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    global _LIB
+    _LIB = Library("turboquant_vllm", "FRAGMENT")  # lives as long as the op
+    direct_register_custom_op("quartet2_marlin_gemm", _marlin_gemm, mutates_args=[], fake_impl=_marlin_gemm_fake,
+                              target_lib=_LIB, dispatch_key="CompositeExplicitAutograd")  # tests run it on CPU
+
+
+_LIB = None

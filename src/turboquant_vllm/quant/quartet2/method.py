@@ -119,12 +119,13 @@ class Quartet2LinearMethod(LinearMethodBase):
               marlin_global_scale=m.weight_global_scale, marlin_channel_scale=m.channel_scale)
         layer.marlin_workspace = m.workspace  # scratch, as vLLM's own Marlin layers keep it
         layer.quartet2_marlin_shape = (m.size_n, m.size_k)
+        layer.quartet2_marlin_dense = (m.dense_alpha, m.dense_min_tokens)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.path == "marlin":
             m = marlin.MarlinNVFP4(layer.marlin_weight, layer.marlin_weight_scale, layer.marlin_global_scale,
                                    layer.marlin_workspace, layer.marlin_channel_scale, *layer.quartet2_marlin_shape,
-                                   layer.quartet2_dtype)
+                                   layer.quartet2_dtype, *layer.quartet2_marlin_dense)
             return marlin.marlin_linear(x, m, bias)
         if self.config.path == "w4a4":
             p = w4a4.W4A4Weight(layer.w4a4_weight, layer.w4a4_weight_scale, layer.w4a4_alpha,

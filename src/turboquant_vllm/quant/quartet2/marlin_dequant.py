@@ -1,0 +1,184 @@
+"""The marlin path's large-batch GEMM: Marlin's NVFP4 weight read back into bf16 / fp16 values, then one dense matmul.
+
+Marlin runs on mma.sync: from a few hundred tokens on it takes about twice cuBLAS's time for the same GEMM, while
+writing the weight out as 16-bit values costs one pass over it (`nvfp4_gemm/h100-cloverlm-4b.md`). So above
+DENSE_MIN_TOKENS tokens the layer decodes its Marlin-layout weight into a scratch buffer shared by all layers and
+multiplies with cuBLAS; the weight stays stored once, in Marlin's layout.
+
+What the decoder reads (vLLM 0.25's prepare_fp4_layer_for_marlin):
+  codes   int32 (padded_k / 16, 2 padded_n): each 16 (k) x 64 (n) tile of E2M1 codes is 128 consecutive words, tiles
+          ordered by n within a row of k-tiles; where code (k, n) lies inside its tile (word, nibble) is a fixed
+          permutation, read off gptq_marlin_repack itself by probing (weight_tables), not restated from its source.
+  scales  uint8 (padded_k / 16, padded_n): per 64 columns a fixed permutation (scale_columns, probed the same way);
+          each byte is the top byte of fp16(scale * factor * 2^7) << 1 (S0E5M3), so fp16 bits = byte << 7 exactly
+          (an E4M3 scale has 3 mantissa bits).
+The decoded value is code * fp16(byte << 7) * 2^-7 = code * scale * factor (factor: the power of two vLLM lifts a
+bf16 layer's scales by, 1 for fp16), exact in bf16 and fp16 (at most 6 significant bits; fp16: at most 6 * 448): the
+tensor scale / factor is the matmul's alpha, applied by cuBLAS to its fp32 sums before the one rounding, as Marlin
+applies its global scale. Groups Marlin flushed to zero decode to zero.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+TILE_K, TILE_N = 16, 64  # Marlin's weight tile
+DENSE_MIN_TOKENS = 512  # from here on decode + cuBLAS beats Marlin on every measured layer (the GEMM table above)
+
+
+class MarlinTables(NamedTuple):
+    """Where Marlin keeps weight (k, n), by its place in a tile: int32 on the weight's device."""
+
+    word: torch.Tensor  # (16, 64): the word within the tile's 128
+    shift: torch.Tensor  # (16, 64): 4 x the nibble within the word
+    scale_column: torch.Tensor  # (64,): column c of a 64-column block of scales sits at block start + scale_column[c]
+
+
+def gptq_pack(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (K, N) -> GPTQ's int32 (K / 8, N): code (8 i + j, n) in nibble j of word (i, n), the input of
+    gptq_marlin_repack (what prepare_fp4_layer_for_marlin makes of NVFP4's (N, K / 2) bytes)."""
+    k, n = codes.shape
+    c = codes.to(torch.int64).reshape(k // 8, 8, n)
+    word = sum(c[:, j] << (4 * j) for j in range(8))
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 words (..., W) -> their nibbles (..., W, 8), nibble j = bits 4 j .. 4 j + 3."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return torch.stack([(w >> (4 * j)) & 15 for j in range(8)], dim=-1)
+
+
+def weight_tables(repack: Callable[[torch.Tensor, int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(word, shift) of every place (k, n) of a tile, probed through repack(gptq_codes, size_k, size_n) -> Marlin's
+    int32 (size_k / 16, 2 size_n): three probes of a 128 x 128 weight whose codes are k % 16, n % 16 and n % 64 // 16.
+    Every one of its 16 tiles must give the same places (the layout is the tile's permutation, repeated)."""
+    k, n = torch.meshgrid(torch.arange(128), torch.arange(128), indexing="ij")
+    seen = [unpack_words(repack(gptq_pack(c), 128, 128)).reshape(8, 2, 128 * 8)
+            for c in (k % 16, n % 16, n % 64 // 16)]  # (k-tile, n-tile, place in the tile's words)
+    k_in, n_lo, n_hi = seen
+    if not all(torch.equal(s, s[:1, :1].expand_as(s)) for s in seen):
+        raise RuntimeError("Marlin's weight layout is not one permutation per 16 x 64 tile: the dense GEMM path cannot "
+                           "read it (set TURBOQUANT_QUARTET2_DENSE=0)")
+    source = k_in[0, 0] * TILE_N + n_hi[0, 0] * 16 + n_lo[0, 0]  # place p holds weight (k_in, n_in)
+    if not torch.equal(source.sort().values, torch.arange(TILE_K * TILE_N)):
+        raise RuntimeError("Marlin's weight layout is not a permutation of its 16 x 64 tile")
+    place = torch.empty_like(source)
+    place[source] = torch.arange(source.numel())
+    word, shift = place // 8, 4 * (place % 8)
+    return word.reshape(TILE_K, TILE_N).to(torch.int32), shift.reshape(TILE_K, TILE_N).to(torch.int32)
+
+
+def scale_columns(process: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """(64,): where each column of a 64-column block of scales lands, probed through process(scales (2, 128) fp16 of
+    E4M3 values) -> Marlin's scale bytes (2, 128): the probe's 64 distinct values per block, found by their bytes."""
+    codes = (0x38 + torch.arange(128) % 64).to(torch.uint8)  # E4M3 1.0 ... 240: 64 distinct normal values per block
+    probe = codes.view(torch.float8_e4m3fn).to(torch.float16).expand(2, 128).contiguous()
+    out = process(probe).view(torch.uint8).to(torch.int32)
+    if out.shape != (2, 128) or not torch.equal(out, out[:1].expand_as(out)):
+        raise RuntimeError(f"Marlin's scale layout: unexpected bytes of shape {tuple(out.shape)}")
+    blocks = out[0].reshape(2, 64)
+    if not torch.equal(blocks[0], blocks[1]) or blocks[0].unique().numel() != 64:
+        raise RuntimeError("Marlin's scale layout is not one permutation per 64 columns")
+    return blocks[0].argsort().to(torch.int32)  # the bytes grow with the values, the values with the column
+
+
+def vllm_scale_process(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What prepare_fp4_layer_for_marlin does to (K / 16, N) scales: vLLM's own permutation and byte format."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_permute_scales
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import nvfp4_marlin_process_scales
+
+    def process(s: torch.Tensor) -> torch.Tensor:
+        rows, n = s.shape
+        permuted = marlin_permute_scales(s.to(dtype), size_k=rows * 16, size_n=n, group_size=16)
+        return nvfp4_marlin_process_scales(permuted, a_dtype=dtype)[0]
+
+    return process
+
+
+@functools.cache
+def tables(device: torch.device, dtype: torch.dtype) -> MarlinTables:
+    """The tables for Marlin weights on `device` prepared for `dtype` activations, probed through vLLM's own
+    gptq_marlin_repack and scale processing once per process."""
+    from vllm import _custom_ops as ops
+
+    def repack(q: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+        perm = torch.empty(0, dtype=torch.int32, device=device)
+        return ops.gptq_marlin_repack(q.to(device), perm, size_k, size_n, 4).cpu()
+
+    word, shift = weight_tables(repack)
+    return MarlinTables(word.to(device), shift.to(device), scale_columns(vllm_scale_process(dtype)).to(device))
+
+
+def dequantize_reference(codes: torch.Tensor, scale_bytes: torch.Tensor, t: MarlinTables, n: int,
+                         k: int) -> torch.Tensor:
+    """fp32 (n, k): code * fp16(byte << 7) * 2^-7 of Marlin's codes (int32) and scale bytes, in plain PyTorch."""
+    padded_n = scale_bytes.shape[1]
+    kk, nn = torch.meshgrid(torch.arange(k, device=codes.device), torch.arange(n, device=codes.device), indexing="xy")
+    word = t.word.long()[kk % TILE_K, nn % TILE_N] + kk // TILE_K * 2 * padded_n + nn // TILE_N * 128
+    shift = t.shift.long()[kk % TILE_K, nn % TILE_N]
+    code = (codes.reshape(-1).long().gather(0, word.reshape(-1)).reshape(n, k) >> shift) & 15
+    magnitude = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=codes.device)[code & 7]
+    value = torch.where(code >= 8, -magnitude, magnitude)
+    column = nn // TILE_N * TILE_N + t.scale_column.long()[nn % TILE_N]
+    byte = scale_bytes.view(torch.uint8).reshape(-1).long().gather(0, (kk // TILE_K * padded_n + column).reshape(-1))
+    scale = (byte.to(torch.int16) << 7).view(torch.float16).to(torch.float32).reshape(n, k)
+    return value * scale / 128
+
+
+@triton.jit
+def _dequantize_kernel(codes_ptr, scales_ptr, word_ptr, shift_ptr, column_ptr, out_ptr, N, K, padded_n,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (n[:, None] < N) & (k[None, :] < K)
+    place = (k[None, :] % 16) * 64 + (n[:, None] % 64)
+    word = tl.load(word_ptr + place)
+    shift = tl.load(shift_ptr + place)
+    tile_row = k[None, :] // 16
+    words = tl.load(codes_ptr + tile_row * (2 * padded_n) + (n[:, None] // 64) * 128 + word, mask=mask, other=0)
+    code = (words >> shift) & 15
+    # E2M1 (sign, 2 exponent bits, 1 mantissa bit) placed in fp16's bits 15 and 11..9 is its value * 2^-14: * 2^14,
+    # and * 2^-7 for the scale byte's 2^7
+    half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    column = (n // 64) * 64 + tl.load(column_ptr + n % 64)
+    byte = tl.load(scales_ptr + tile_row * padded_n + column[:, None], mask=mask, other=0)
+    scale = (byte.to(tl.int16) << 7).to(tl.float16, bitcast=True)
+    value = half.to(tl.float32) * 128.0 * scale.to(tl.float32)
+    tl.store(out_ptr + n[:, None] * K + k[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize(codes: torch.Tensor, scale_bytes: torch.Tensor, t: MarlinTables, n: int, k: int,
+               out: torch.Tensor) -> torch.Tensor:
+    """out[:n * k] viewed (n, k) <- code * fp16(byte << 7) * 2^-7 in out's dtype (exact): the Triton decoder."""
+    w = out[:n * k].view(n, k)
+    grid = (triton.cdiv(n, 64), triton.cdiv(k, 64))
+    _dequantize_kernel[grid](codes, scale_bytes.view(torch.uint8), t.word, t.shift, t.scale_column, w, n, k,
+                             scale_bytes.shape[1], BLOCK_N=64, BLOCK_K=64)
+    return w
+
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def reserve_scratch(numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The decoded weights' buffer, one per device and dtype shared by every layer, grown to `numel` (at load time,
+    so that vLLM's memory profile sees it and no CUDA graph captures an allocation)."""
+    key = (torch.device(device), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        _SCRATCH[key] = buf = torch.empty(numel, dtype=dtype, device=device)
+    return buf
+
+
+def dense_linear(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: int,
+                 alpha: float) -> torch.Tensor:
+    """alpha * x W^T for x (M, K) with W decoded from Marlin's layout into the shared scratch, one cuBLAS call: its
+    fp32 sums scaled by alpha and rounded once to x's dtype."""
+    w = dequantize(codes, scale_bytes, tables(x.device, x.dtype), n, k, reserve_scratch(n * k, x.device, x.dtype))
+    return torch.addmm(x.new_zeros(()), x, w.t(), beta=0, alpha=alpha)
