@@ -40,6 +40,8 @@ BENCHMARKS = {
                 "token count (GPU)",
     "nvfp4_gemm": "NVFP4 weight GEMM (W4A16): quartet2's marlin path (Marlin, the weight decoded for cuBLAS, the "
                   "policy) vs the bf16 matmul, per layer shape and token count (GPU)",
+    "profile_weights": "where a decode step's time goes per weight method (bf16, quartet2, modelopt_fp4, AWQ "
+                       "kernels) in vLLM with CUDA graphs: wall, GEMM, attention and other GPU time (GPU)",
     "awq": "AWQ int4 serving in vLLM end to end: output tok/s and batch-1 decode latency per AWQ kernel (Machete, "
            "Marlin, Triton, TurboMind) on a Llama-3-8B-shaped checkpoint (GPU)",
     "weights": "weight quantization in vLLM end to end vs bf16 weights: output tok/s and batch-1 decode latency of "
