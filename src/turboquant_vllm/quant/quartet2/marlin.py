@@ -118,6 +118,8 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
     dense_min_tokens = dense_threshold()
     if dense_min_tokens:
         marlin_dequant.reserve_scratch(n * k, v.weight.device, dtype)
+        if v.weight.is_cuda:  # probed now, at load: never inside a CUDA-graph capture (the probe synchronizes)
+            marlin_dequant.tables(v.weight.device, dtype)
     _register_op()
     return MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, stub.workspace,
                        v.channel_scale, n, k, dtype, float(v.weight_global_scale) / lift, dense_min_tokens)
