@@ -2,9 +2,9 @@
 activations per row by the same 4/6 rule, then one matmul over the dequantized values.
 
 A code times its E4M3 group scale has at most 7 significant bits, so it is exact in bf16 and every product of two is
-exact in fp32: the fp32 matmul over these values computes the W4A4 tensor cores' products exactly and differs from
-them only in the order of the sums. The two tensor scales (the activation row's and the weight's) multiply the
-result, as an FP4 GEMM's epilogue does.
+exact in fp32: a matmul over these values with fp32 sums (dequantize.exact_products: bf16 tensor cores on a GPU)
+computes the W4A4 tensor cores' products exactly and differs from them only in the order of the sums. The two tensor
+scales (the activation row's and the weight's) multiply the result, as an FP4 GEMM's epilogue does.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from . import nvfp4
+from .dequantize import exact_products
 from .quantize import quantize
 
 
@@ -55,7 +56,7 @@ def emulated_linear(x: torch.Tensor, weight: NVFP4Weight, bias: torch.Tensor | N
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     packed, scales, row_scale = quantize(x2.contiguous(), per_row=True)
-    acc = unscaled_values(packed, scales) @ unscaled_values(weight.packed, weight.scales).t()
+    acc = exact_products(packed, scales, weight.packed, weight.scales)
     y = acc * (row_scale * weight.tensor_scale)
     if bias is not None:
         y = y + bias.to(torch.float32)
