@@ -61,6 +61,17 @@ def test_many_rows_and_groups_past_one_block():
     check(torch.randn(35, 16 * 19, generator=gen), per_row=True)  # 3 row blocks of 16, 3 group blocks of 8
 
 
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_few_rows_split_along_k(rows):
+    """A decode step's few rows: K split across programs (each reading its rows' amax in full), the same bits."""
+    gen = torch.Generator().manual_seed(5 + rows)
+    x = torch.randn(rows, 16 * 150, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen))
+    x[:, 7] *= 40
+    check(x, per_row=True)
+    check(x.to(torch.bfloat16), per_row=False)
+    check(x, tensor_scale=x.abs().max() / 1000)  # at least amax / 1536, as a weight's is
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="multiple of 16"):
         quantize(torch.zeros(2, 24, device=DEVICE))

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import nvfp4
 
+MIN_PROGRAMS = 256  # programs a launch aims for where rows are few (each then reads its rows' amax in full)
 _RNE_MAGIC = tl.constexpr(8388608.0)  # 2^23: (v + 2^23) - 2^23 rounds 0 <= v < 2^22 to an integer, ties to even
 
 
@@ -59,15 +60,15 @@ def _candidate(x, units, gmax, ts, INV_TARGET: tl.constexpr, BLOCK_M: tl.constex
     return code, scale, _pairwise_sum16(d * d, BLOCK_M, BLOCK_G)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "groups_per_program"])
 def _nvfp4_quantize_kernel(
-    x_ptr, ts_ptr, packed_ptr, scales_ptr, M, K: tl.constexpr, stride_xm, PER_ROW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    x_ptr, ts_ptr, packed_ptr, scales_ptr, M, K: tl.constexpr, stride_xm, groups_per_program,
+    PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64) * stride_xm
-    if PER_ROW:  # the row's amax first, then its groups
+    if PER_ROW:  # the row's amax first (every program of the row alike), then its groups
         amax = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, BLOCK_G * 16):
             cols = k0 + tl.arange(0, BLOCK_G * 16)
@@ -75,13 +76,14 @@ def _nvfp4_quantize_kernel(
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
         ts = amax * (1.0 / 256.0) * (1.0 / 6.0)  # Quartet II's order: (amax * 1/256) * fp32(1/6)
         ts = tl.where(amax > 0, ts, 1.0)
-        tl.store(ts_ptr + rows, ts, mask=row_ok)
+        tl.store(ts_ptr + rows, ts, mask=row_ok & (tl.program_id(1) == 0))
     else:
         ts = tl.zeros((BLOCK_M,), tl.float32) + tl.load(ts_ptr)
     ts3 = ts[:, None, None]
     g = tl.arange(0, BLOCK_G)
     e = tl.arange(0, 16)
-    for g0 in range(0, K // 16, BLOCK_G):
+    first = tl.program_id(1) * groups_per_program
+    for g0 in range(first, first + groups_per_program, BLOCK_G):
         groups = g0 + g
         ok = row_ok[:, None] & (groups[None, :] < K // 16)
         cols = groups[:, None] * 16 + e[None, :]
@@ -135,8 +137,11 @@ def quantize(x: torch.Tensor, tensor_scale: torch.Tensor | None = None, per_row:
             raise ValueError(f"{name} must be contiguous {dtype} {shape} on {x.device}, got {t.dtype} "
                              f"{tuple(t.shape)}")
     if m:
-        _nvfp4_quantize_kernel[(triton.cdiv(m, block_m),)](
-            x, ts, packed, scales.view(torch.uint8), m, K=k, stride_xm=x.stride(0),
+        row_blocks, group_blocks = triton.cdiv(m, block_m), triton.cdiv(k // nvfp4.GROUP, block_g)
+        # a few rows (decode steps) would leave the GPU one program looping over K: split K across programs
+        per_program = block_g * triton.cdiv(group_blocks, min(group_blocks, triton.cdiv(MIN_PROGRAMS, row_blocks)))
+        _nvfp4_quantize_kernel[(row_blocks, triton.cdiv(k // nvfp4.GROUP, per_program))](
+            x, ts, packed, scales.view(torch.uint8), m, K=k, stride_xm=x.stride(0), groups_per_program=per_program,
             PER_ROW=tensor_scale is None and per_row, BLOCK_M=block_m, BLOCK_G=block_g,
         )
     return packed, scales, ts if per_row and tensor_scale is None else ts.reshape(())
