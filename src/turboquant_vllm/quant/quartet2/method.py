@@ -34,6 +34,8 @@ class Quartet2LinearMethod(LinearMethodBase):
     checkpoint: codes, blocked scales and one tensor scale per fused part, loaded as they are and unblocked once.
     Then kept as they are (emulate), or put once into the layout of Marlin (marlin) or of the FP4 GEMM (w4a4)."""
 
+    _dense_logged = False  # the decoded-weight GEMM's log line, once per process
+
     def __init__(self, config: Quartet2Config) -> None:
         self.config = config
 
@@ -115,6 +117,10 @@ class Quartet2LinearMethod(LinearMethodBase):
                            "(E4M3 subnormals) and run as zeros (by the 4/6 rule, groups whose largest weight is "
                            "below 6.2e-5 of the tensor's)", flushed, w.scales.numel())
         m = marlin.prepare(w, dtype)
+        if m.dense_min_tokens and not Quartet2LinearMethod._dense_logged:
+            Quartet2LinearMethod._dense_logged = True
+            logger.info("quartet2: GEMMs of %d tokens and more decode the weight for cuBLAS (one buffer of the largest "
+                        "layer's size; %s=0 keeps Marlin for all)", m.dense_min_tokens, marlin.DENSE_ENV)
         _keep(layer, marlin_weight=m.weight, marlin_weight_scale=m.weight_scale,
               marlin_global_scale=m.weight_global_scale, marlin_channel_scale=m.channel_scale)
         layer.marlin_workspace = m.workspace  # scratch, as vLLM's own Marlin layers keep it
