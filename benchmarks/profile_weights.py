@@ -9,9 +9,11 @@ included. --batch requests of --context random prompt tokens are added and stepp
 WARM_STEPS more, WALL_STEPS steps are timed (wall, synchronized) and --steps steps profiled: GPU time per kernel
 per step. Kernel classes by name: GEMM (Marlin, cuBLAS's nvjet / gemm, CUTLASS GEMMs, TurboMind, Machete, split-K
 reductions), attention (FlashAttention, the KV cache write), other (norms, RoPE, activations, sampling, copies).
+--cpu records the host too: the ops with the most CPU time of their own per step (where a step's wall time exceeds
+its GPU time).
 
     python -m benchmarks profile_weights [--suite weights|awq] [--model cloverlm-4b|llama3-8b] [--methods ...]
-        [--layers N] [--batch 1] [--context 1024] [--steps 32] [--timeout S] [--out PATH]
+        [--layers N] [--batch 1] [--context 1024] [--steps 32] [--cpu] [--timeout S] [--out PATH]
 
 Writes benchmarks/results/profile_weights/<gpu>-<model>-<layers>l-b<batch>x<context>.{json,md}, the children's logs
 in the folder of that name.
@@ -64,7 +66,7 @@ def generated(args: argparse.Namespace) -> int:
 
 # ---- the child: one engine, in-process
 
-def profile_engine(llm, vocab: int, batch: int, context: int, max_tokens: int, steps: int) -> dict:
+def profile_engine(llm, vocab: int, batch: int, context: int, max_tokens: int, steps: int, cpu: bool = False) -> dict:
     import random
 
     import torch
@@ -87,7 +89,8 @@ def profile_engine(llm, vocab: int, batch: int, context: int, max_tokens: int, s
         engine.step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t) / WALL_STEPS * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if cpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
@@ -99,7 +102,11 @@ def profile_engine(llm, vocab: int, batch: int, context: int, max_tokens: int, s
             k = kernels.setdefault(e.name, [0.0, 0.0])
             k[0] += e.time_range.elapsed_us() / steps
             k[1] += 1 / steps
-    return dict(step_wall_ms=wall_ms, kernels={name: dict(us=us, launches=n) for name, (us, n) in kernels.items()})
+    out = dict(step_wall_ms=wall_ms, kernels={name: dict(us=us, launches=n) for name, (us, n) in kernels.items()})
+    if cpu:  # the host's side: each op's own time (its children's left out) and calls, per step
+        out["host_ops"] = {e.key: dict(us=e.self_cpu_time_total / steps, calls=e.count / steps)
+                           for e in prof.key_averages() if e.self_cpu_time_total > 0}
+    return out
 
 
 def child(args: argparse.Namespace) -> None:
@@ -112,7 +119,8 @@ def child(args: argparse.Namespace) -> None:
     llm = LLM(**bench.llm_kwargs(method, variant, str(args.model_dir), args.context, generated(args),
                                  args.gpu_memory_utilization))
     row = dict(bench.identity(args.child), **engine_rows.engine_facts(llm), **bench.child_facts(method))
-    row.update(profile_engine(llm, config["vocab_size"], args.batch, args.context, generated(args), args.steps))
+    row.update(profile_engine(llm, config["vocab_size"], args.batch, args.context, generated(args), args.steps,
+                              args.cpu))
     engine_rows.emit_row(TAG, row)
 
 
@@ -122,7 +130,8 @@ def child_arguments(args: argparse.Namespace) -> list[str]:
     """The options a row's child is started with (all but the parent's own: --timeout, --out)."""
     return ["--suite", args.suite, "--model", args.model, "--methods", args.methods, "--batch", str(args.batch),
             "--context", str(args.context), "--steps", str(args.steps), "--gpu-memory-utilization",
-            str(args.gpu_memory_utilization), *(["--layers", str(args.layers)] if args.layers else [])]
+            str(args.gpu_memory_utilization), *(["--layers", str(args.layers)] if args.layers else []),
+            *(["--cpu"] if args.cpu else [])]
 
 
 def summarize(row: dict) -> dict:
@@ -132,9 +141,13 @@ def summarize(row: dict) -> dict:
     for name, k in kernels.items():
         by_class[kernel_class(name)] += k["us"] / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["us"])[:TOP]
-    return dict(kernel_ms=sum(by_class.values()), **{f"{cls}_ms": ms for cls, ms in by_class.items()},
-                launches=sum(k["launches"] for k in kernels.values()),
-                top=[dict(name=name, us=k["us"], launches=k["launches"], cls=kernel_class(name)) for name, k in top])
+    out = dict(kernel_ms=sum(by_class.values()), **{f"{cls}_ms": ms for cls, ms in by_class.items()},
+               launches=sum(k["launches"] for k in kernels.values()),
+               top=[dict(name=name, us=k["us"], launches=k["launches"], cls=kernel_class(name)) for name, k in top])
+    if row.get("host_ops"):
+        host = sorted(row["host_ops"].items(), key=lambda kv: -kv[1]["us"])[:TOP]
+        out["top_host"] = [dict(name=name, us=o["us"], calls=o["calls"]) for name, o in host]
+    return out
 
 
 def markdown(rows: list[dict], model: dict, args: argparse.Namespace) -> str:
@@ -155,6 +168,10 @@ def markdown(rows: list[dict], model: dict, args: argparse.Namespace) -> str:
             out += ["", f"{r['label']}: the {TOP} kernels taking the most GPU time per step", "",
                     "| µs / step | launches / step | class | kernel |", "| --- | --- | --- | --- |"]
             out += [f"| {k['us']:.1f} | {k['launches']:.1f} | {k['cls']} | `{k['name'][:110]}` |" for k in r["top"]]
+        if "top_host" in r:
+            out += ["", f"{r['label']}: the {TOP} host ops taking the most CPU time per step (self time)", "",
+                    "| µs / step | calls / step | op |", "| --- | --- | --- |"]
+            out += [f"| {o['us']:.1f} | {o['calls']:.1f} | `{o['name'][:110]}` |" for o in r["top_host"]]
     return "\n".join(out) + "\n"
 
 
@@ -168,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--cpu", action="store_true", help="profile the host too: the ops taking the most CPU time")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--timeout", type=float, default=0, help="seconds a row may take (0: no limit)")
     common.add_out_argument(ap, f"benchmarks/results/{NAME}/<gpu>-<model>-<layers>l-b<batch>x<context>")
@@ -200,8 +218,9 @@ def main(argv: list[str] | None = None) -> None:
                                               bench.identity(spec), TAG, bench.kernel_patterns, env)
             row.update(summarize(row) if row.get("kernels") else {})
             row.pop("kernels", None)
+            row.pop("host_ops", None)
             rows.append(row)
-            print({k: v for k, v in row.items() if k != "top"}, flush=True)
+            print({k: v for k, v in row.items() if k not in ("top", "top_host")}, flush=True)
             settings = dict(suite=args.suite, batch=args.batch, context=args.context, steps=args.steps,
                             wall_steps=WALL_STEPS, warm_steps=WARM_STEPS)
             common.write_json(common.with_ext(stem, ".json"), dict(rows=rows, meta=dict(model=model, **settings)),

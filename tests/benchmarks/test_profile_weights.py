@@ -35,11 +35,22 @@ def test_summary_and_markdown():
     assert "| bf16 | **failed**: timed out |" in md and "| 884.0 | 58.0 | gemm | `void marlin::Marlin<128>` |" in md
 
 
+def test_host_ops_are_summarized_when_recorded():
+    r = dict(row(), host_ops={"cudaGraphLaunch": dict(us=40.0, calls=1.0), "aten::copy_": dict(us=90.0, calls=6.0)})
+    r.update(pw.summarize(r))
+    assert [o["name"] for o in r["top_host"]] == ["aten::copy_", "cudaGraphLaunch"]
+    args = pw.main.__globals__["argparse"].Namespace(batch=1, context=1024, steps=32)
+    md = pw.markdown([r], dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=32, vocab_size=100), args)
+    assert "host ops taking the most CPU time" in md and "| 90.0 | 6.0 | `aten::copy_` |" in md
+    assert "top_host" not in pw.summarize(row())
+
+
 def test_child_and_suite_arguments():
     args = pw.main.__globals__["argparse"].Namespace(suite="awq", model="cloverlm-4b", methods="awq_turbomind",
                                                      batch=1, context=512, steps=8, gpu_memory_utilization=0.8,
-                                                     layers=8)
-    assert pw.child_arguments(args)[-2:] == ["--layers", "8"]
+                                                     layers=8, cpu=True)
+    assert pw.child_arguments(args)[-3:] == ["--layers", "8", "--cpu"]
     assert pw.suite_arguments(args) == ["--methods", "awq_turbomind", "--input-len", "512", "--output-len",
                                         str(pw.generated(args)), "--layers", "8"]
     args.suite = "weights"
