@@ -4,8 +4,10 @@ every query-head group (1-8, 16), head_dim (64, 96, 128, 256) and batch x contex
 Each point builds one random bf16 cache (kv_heads KV heads, block 16, pages shuffled), stores it as tq4 and casts
 it to fp8; every kernel is captured in a CUDA graph and timed by replay (median of 10 replays of ~20 ms each), after
 a warm-up run, so no compile and no launch overhead sits in a timed window. Ours = query rotation + decode + merge
-of the splits, as vLLM runs it; FA3 = one kernel. Where the launch policy caps the split count below what would give
-every SM its programs (one sequence, few KV heads), the uncapped counts are timed too (`ours_ms_by_splits`).
+of the splits; FA3 = one kernel. `ours_served_ms`: decode + merge alone, as vLLM runs them (its store launch rotates
+the queries with the step's keys; neither side's cache write is timed). Where the launch policy caps the split count
+below what would give every SM its programs (one sequence, few KV heads), the uncapped counts are timed too
+(`ours_ms_by_splits`).
 Kernels compile first in --compile-workers processes (the Triton cache is shared), so compiling ~150 variants does
 not serialize in front of the timing.
 
@@ -116,6 +118,7 @@ def measure_point(group: int, head_dim: int, batch: int, context: int, kv_heads:
     row["fp8_ms"] = timed(lambda: flash(b, True))
     torch.cuda.empty_cache()
     row["ours_ms"] = timed(lambda: ours(b, PRESET))
+    row["ours_served_ms"] = timed(lambda: ours(b, PRESET, served=True))
     if extra:
         row["ours_ms_by_splits"] = {str(s): timed(lambda s=s: ours(b, PRESET, splits=s)) for s in extra}
     return row
@@ -207,8 +210,14 @@ def e2e_rows(path: Path) -> list[dict]:
     return out
 
 
-def speedup(p: dict) -> float:
-    return p["bf16_ms"] / p["ours_ms"]
+def speedup(p: dict, key: str = "ours_ms") -> float:
+    return p["bf16_ms"] / p[key]
+
+
+def where(ps: list[dict], key: str = "ours_ms") -> str:
+    """The points as "g<group> d<head_dim> <batch>x<context> <speed-up>x", the first 12."""
+    return ", ".join(f"g{p['group']} d{p['head_dim']} {common.shape_tag(p['batch'], p['context'])} "
+                     f"{speedup(p, key):.2f}x" for p in ps[:12]) + (f" (+{len(ps) - 12} more)" if len(ps) > 12 else "")
 
 
 def best_split(p: dict) -> tuple[str, float]:
@@ -226,10 +235,6 @@ def targets(points: list[dict]) -> list[str]:
     big = [p for p in points if p["bf16_kv_bytes"] > BIG_READ]
     big_slow = [p for p in big if speedup(p) < 1.5]
     worst = min(points, key=speedup)
-
-    def where(ps):
-        return ", ".join(f"g{p['group']} d{p['head_dim']} {common.shape_tag(p['batch'], p['context'])} "
-                         f"{speedup(p):.2f}x" for p in ps[:12]) + (f" (+{len(ps) - 12} more)" if len(ps) > 12 else "")
 
     lines.append(f"| >= 1.0x FA3 bf16 at every point | {'PASS' if not slow else 'FAIL'} | "
                  f"{len(points) - len(slow)} of {len(points)} points; lowest {speedup(worst):.2f}x "
@@ -254,6 +259,12 @@ def markdown(doc: dict) -> str:
                    f"{len(doc['e2e']) - len(slow)} of {len(doc['e2e'])} runs"
                    + "".join(f"; {r['shape']} {r['ours_tok_s'] / r['bf16_tok_s']:.2f}x" for r in slow) + " |")
     out.append("")
+    served = [p for p in points if p.get("ours_served_ms")]
+    if served:
+        below = [p for p in served if p["ours_served_ms"] > p["bf16_ms"]]
+        out += [f"As served (decode + merge; vLLM's store launch rotates the queries): {len(served) - len(below)} of "
+                f"{len(served)} points measured so >= 1.0x FA3 bf16"
+                + (f"; below: {where(below, 'ours_served_ms')}" if below else "") + ".", ""]
     if meta.get("commands"):
         out += ["Measured by, merged in this order:", ""]
         commits = meta.get("commits") or [None] * len(meta["commands"])

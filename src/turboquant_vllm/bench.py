@@ -18,6 +18,7 @@ from .core.layout import CacheLayout
 from .core.presets import get_preset
 from .ops import paged_attention, store_kv
 from .ops.attention import attention_workspace_shape, decode_num_splits
+from .ops.rotation import rotate_queries
 
 BLOCK = 16
 
@@ -83,11 +84,12 @@ class Batch:
         return s.batch * s.context * s.kv_heads * bytes_per_token_per_head + meta
 
 
-def ours(b: Batch, preset: str, splits: int | None = None, calibrated: bool = False,
+def ours(b: Batch, preset: str, splits: int | None = None, calibrated: bool = False, served: bool = False,
          **tuning) -> tuple[Callable[[], object], int]:
     """Our decode attention over the batch's contents stored in `preset`; (launch, bytes per token per KV head).
     calibrated: keys stored with a key calibration (a mean near the keys' and a scale), so the pages hold centered
-    and uncentered tokens and decode takes its calibrated path."""
+    and uncentered tokens and decode takes its calibrated path. served: the queries rotated once beforehand, as the
+    vLLM backend's store launch rotates them with the step's keys (decode + merge launched; else rotation too)."""
     s = b.shape
     layout = CacheLayout(get_preset(preset), s.head_dim, s.kv_heads, BLOCK)
     cache = torch.empty(layout.cache_shape(b.num_blocks), dtype=torch.uint8, device="cuda")
@@ -101,11 +103,12 @@ def ours(b: Batch, preset: str, splits: int | None = None, calibrated: bool = Fa
     ws = torch.empty(attention_workspace_shape(s.batch, s.q_heads, s.head_dim, splits), dtype=torch.float32,
                      device="cuda")
     out = torch.empty_like(b.query)
+    rotated = rotate_queries(b.query, layout, s.head_dim**-0.5, cal, torch.float16) if served else None
 
     def run():
         paged_attention(b.query, cache, layout, b.block_table, b.qsl, b.seq_lens, max_query_len=1,
                         scale=s.head_dim**-0.5, out=out, workspace=ws, num_splits=splits, key_calibration=cal,
-                        **tuning)
+                        rotated_query=rotated, **tuning)
     return run, layout.bytes_per_token_per_head
 
 
