@@ -18,6 +18,14 @@ BLOCK_ROWS, BLOCK_COLS = 16, 128
 
 
 @triton.jit
+def e2m1_value(code):
+    """E2M1 codes (int32: sign << 3 | magnitude index) -> their fp32 values: the code's bits placed in fp16's bits 15
+    and 11..9 make its value * 2^-14."""
+    half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 16384.0
+
+
+@triton.jit
 def _values_kernel(packed_ptr, scales_ptr, out_ptr, R, K, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     k = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -25,12 +33,10 @@ def _values_kernel(packed_ptr, scales_ptr, out_ptr, R, K, BLOCK_ROWS: tl.constex
     row = r[:, None].to(tl.int64)
     byte = tl.load(packed_ptr + row * (K // 2) + k[None, :] // 2, mask=mask, other=0).to(tl.int32)
     code = (byte >> ((k[None, :] % 2) * 4)) & 15
-    # E2M1 (sign, 2 exponent bits, 1 mantissa bit) placed in fp16's bits 15 and 11..9 is its value * 2^-14, and a
-    # non-negative E4M3 byte (4 exponent bits, 3 mantissa bits) shifted into fp16's bits 14..7 is its value * 2^-8
-    half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    # a non-negative E4M3 byte (4 exponent bits, 3 mantissa bits) shifted into fp16's bits 14..7 is its value * 2^-8
     byte = tl.load(scales_ptr + row * (K // 16) + k[None, :] // 16, mask=mask, other=0).to(tl.int16)
     scale = (byte << 7).to(tl.float16, bitcast=True)
-    value = half.to(tl.float32) * scale.to(tl.float32) * 4194304.0  # 2^22
+    value = e2m1_value(code) * scale.to(tl.float32) * 256.0
     tl.store(out_ptr + row * K + k[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
 
 

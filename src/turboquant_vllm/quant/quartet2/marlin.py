@@ -75,11 +75,16 @@ def marlin_flushed_groups(scales: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     `dtype`, by vLLM's rule (nvfp4_marlin_process_scales with the scale factor _nvfp4_compute_scale_factor picks:
     for bf16 the power of two lifting the largest scale closest to 448, none for fp16; then scale * factor * 2^7
     < 2 is dropped)."""
+    s = scales.to(torch.float32)
+    return (s > 0) & (s * scale_lift(scales, dtype) * 2**7 < 2)
+
+
+def scale_lift(scales: torch.Tensor, dtype: torch.dtype) -> float:
+    """The power of two vLLM lifts a layer's E4M3 block scales by for Marlin (_nvfp4_compute_scale_factor, on the same
+    scales: 1 for fp16 activations)."""
     from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import _nvfp4_compute_scale_factor
 
-    s = scales.to(torch.float32)
-    factor = _nvfp4_compute_scale_factor(scales.to(dtype), dtype)
-    return (s > 0) & (s * factor * 2**7 < 2)
+    return _nvfp4_compute_scale_factor(scales.to(torch.half), dtype)
 
 
 class MarlinNVFP4(NamedTuple):
@@ -112,8 +117,7 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
         setattr(stub, name, torch.nn.Parameter(getattr(v, name), requires_grad=False))
     stub.bias = None
     marlin_utils_fp4.prepare_fp4_layer_for_marlin(stub)
-    # the power of two prepare_fp4_layer_for_marlin lifted the scales by (its own rule, on the same scales)
-    lift = marlin_utils_fp4._nvfp4_compute_scale_factor(v.weight_scale.to(torch.half), dtype)
+    lift = scale_lift(v.weight_scale, dtype)
     n, k = stub.output_size_per_partition, stub.input_size_per_partition
     dense_min_tokens = dense_threshold()
     if dense_min_tokens:

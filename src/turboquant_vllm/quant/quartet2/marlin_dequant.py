@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import nvfp4
+from .dequantize import e2m1_value
+
 TILE_K, TILE_N = 16, 64  # Marlin's weight tile
 DENSE_MIN_TOKENS = 512  # from here on decode + cuBLAS beats Marlin on every measured layer (the GEMM table above)
 
@@ -123,8 +126,7 @@ def dequantize_reference(codes: torch.Tensor, scale_bytes: torch.Tensor, t: Marl
     word = t.word.long()[kk % TILE_K, nn % TILE_N] + kk // TILE_K * 2 * padded_n + nn // TILE_N * 128
     shift = t.shift.long()[kk % TILE_K, nn % TILE_N]
     code = (codes.reshape(-1).long().gather(0, word.reshape(-1)).reshape(n, k) >> shift) & 15
-    magnitude = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), device=codes.device)[code & 7]
-    value = torch.where(code >= 8, -magnitude, magnitude)
+    value = nvfp4.e2m1_value(code)
     column = nn // TILE_N * TILE_N + t.scale_column.long()[nn % TILE_N]
     byte = scale_bytes.view(torch.uint8).reshape(-1).long().gather(0, (kk // TILE_K * padded_n + column).reshape(-1))
     scale = (byte.to(torch.int16) << 7).view(torch.float16).to(torch.float32).reshape(n, k)
@@ -143,13 +145,10 @@ def _dequantize_kernel(codes_ptr, scales_ptr, word_ptr, shift_ptr, column_ptr, o
     tile_row = k[None, :] // 16
     words = tl.load(codes_ptr + tile_row * (2 * padded_n) + (n[:, None] // 64) * 128 + word, mask=mask, other=0)
     code = (words >> shift) & 15
-    # E2M1 (sign, 2 exponent bits, 1 mantissa bit) placed in fp16's bits 15 and 11..9 is its value * 2^-14: * 2^14,
-    # and * 2^-7 for the scale byte's 2^7
-    half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
     column = (n // 64) * 64 + tl.load(column_ptr + n % 64)
     byte = tl.load(scales_ptr + tile_row * padded_n + column[:, None], mask=mask, other=0)
     scale = (byte.to(tl.int16) << 7).to(tl.float16, bitcast=True)
-    value = half.to(tl.float32) * 128.0 * scale.to(tl.float32)
+    value = e2m1_value(code) * scale.to(tl.float32) * 0.0078125  # 2^-7: the scale byte's 2^7
     tl.store(out_ptr + n[:, None] * K + k[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
