@@ -3,12 +3,10 @@ dense matmul of the same weight's values.
 
 Paths, each over the same NVFP4 weight (a random bf16 weight quantized by the 4/6 rule) and the same activations:
 - dense: torch's matmul of the exact NVFP4 values stored as bf16 (what a bf16 checkpoint of them costs);
-- marlin: vLLM's Marlin FP4 kernel alone (quartet2's marlin path with its other GEMMs off);
-- gemv: quartet2.marlin_gemv, the few-token GEMM over Marlin's layout (up to its MAX_TOKENS tokens);
+- marlin: vLLM's Marlin FP4 kernel alone (quartet2's marlin path with its dense GEMM off);
 - decode+cublas: the weight decoded from Marlin's layout into bf16, then cuBLAS (quartet2.marlin_dequant), every
   token count;
-- policy: what quartet2's marlin path runs (gemv up to its threshold, decode+cublas from DENSE_MIN_TOKENS, Marlin
-  between);
+- policy: what quartet2's marlin path runs (Marlin below DENSE_MIN_TOKENS tokens, decode+cublas from there);
 - decode: the decoder alone (its row: the time to write the bf16 weight, GB/s of codes read + bf16 written).
 Times: CUDA-graph replay, median (benchmarks.common.time_ms). A layer's rows repeat one weight, which stays in L2 if
 it fits (50 MB on an H100): small layers at few tokens read as faster than a model's pass over them. The block rows
@@ -17,9 +15,8 @@ per block.
 Error: relative Frobenius error against the float64 product with the exact NVFP4 weight.
 
     python -m benchmarks nvfp4_gemm [--model cloverlm-4b|llama3-8b] [--tokens 1,16,...] [--out PATH]
-    python -m benchmarks nvfp4_gemm --gemv-launches [--model ...]   # marlin_gemv's launch shapes, block rows only
 
-Writes benchmarks/results/nvfp4_gemm/<gpu>-<model>.{json,md} (--gemv-launches: <gpu>-<model>-gemv-launches).
+Writes benchmarks/results/nvfp4_gemm/<gpu>-<model>.{json,md}.
 """
 
 from __future__ import annotations
@@ -34,23 +31,19 @@ MODELS = {
     "cloverlm-4b": [(3584, 5376), (3584, 3584), (3584, 14336), (14336, 3584)],
     "llama3-8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],
 }
-TOKENS = "1,2,4,16,64,128,256,512,1024,2048,4096,8192"
+TOKENS = "1,16,64,128,256,512,1024,2048,4096,8192"
 BLOCK_TOKENS = (1, 2, 4, 8, 16)
-PATHS = ("dense", "marlin", "gemv", "decode+cublas", "policy")
+PATHS = ("dense", "marlin", "decode+cublas", "policy")
 COPIES = 4  # a block's weights, COPIES times: more than an H100's or H200's L2 even for CloverLM's NVFP4 block
 
 
-def paths(m, tokens: int, config=None) -> dict:
+def paths(m) -> dict:
     """path -> fn(x) over the prepared Marlin weight m (the dense path apart)."""
-    from turboquant_vllm.quant.quartet2 import marlin, marlin_gemv
+    from turboquant_vllm.quant.quartet2 import marlin
 
-    out = {"marlin": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0, gemv_max_tokens=0)),
-           "decode+cublas": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=1, gemv_max_tokens=0)),
-           "policy": lambda x: marlin.marlin_linear(x, m)}
-    if tokens <= marlin_gemv.MAX_TOKENS:
-        cfg = config or marlin_gemv.CONFIG
-        out["gemv"] = lambda x: marlin_gemv.gemv(x, m.weight, m.weight_scale, m.size_n, m.size_k, m.dense_alpha, cfg)
-    return out
+    return {"marlin": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0)),
+            "decode+cublas": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=1)),
+            "policy": lambda x: marlin.marlin_linear(x, m)}
 
 
 def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
@@ -69,10 +62,8 @@ def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
     for tokens_ in tokens:
         x = torch.randn(tokens_, k, generator=gen, device="cuda").to(torch.bfloat16)
         ref = x.double() @ exact.t()
-        fns = {"dense": lambda x: torch.nn.functional.linear(x, dense), **paths(m, tokens_)}
+        fns = {"dense": lambda x: torch.nn.functional.linear(x, dense), **paths(m)}
         for path in PATHS:
-            if path not in fns:
-                continue
             y = fns[path](x)
             ms = common.time_ms(lambda x=x, fn=fns[path]: fn(x))
             weight_bytes = 2 * n * k if path == "dense" else nvfp4_bytes
@@ -83,9 +74,8 @@ def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
     return rows
 
 
-def block(model: str, gen: torch.Generator, tokens: tuple[int, ...], configs: list | None = None) -> list[dict]:
-    """One block's layers in a row over COPIES copies of their weights: ms per block per path (configs: marlin_gemv
-    launch shapes instead of the paths)."""
+def block(model: str, gen: torch.Generator, tokens: tuple[int, ...]) -> list[dict]:
+    """One block's layers in a row over COPIES copies of their weights: ms per block per path."""
     from turboquant_vllm.quant.quartet2 import linear, marlin
 
     shapes = MODELS[model]
@@ -95,31 +85,25 @@ def block(model: str, gen: torch.Generator, tokens: tuple[int, ...], configs: li
         for k, n in shapes:
             w = linear.quantize_weight((torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16))
             dense = (linear.unscaled_values(w.packed, w.scales) * w.tensor_scale).to(torch.bfloat16)
-            layer.append((marlin.prepare(w, torch.bfloat16), None if configs else dense))
+            layer.append((paths(marlin.prepare(w, torch.bfloat16)), dense))
         copies.append(layer)
     nvfp4_bytes = sum(n * k // 2 + n * k // 16 for k, n in shapes)
     dense_bytes = sum(2 * n * k for k, n in shapes)
     rows = []
     for tokens_ in tokens:
         xs = [torch.randn(tokens_, k, generator=gen, device="cuda").to(torch.bfloat16) for k, _ in shapes]
-        variants = ([(f"gemv {'x'.join(map(str, c))}", c) for c in configs] if configs
-                    else [(p, None) for p in PATHS])
-        for name, config in variants:
-            path = "gemv" if config else name
-            if path == "gemv" and tokens_ > 4:
-                continue
-
-            def step(path=path, config=config):
+        for path in PATHS:
+            def step(path=path):
                 for layer in copies:
-                    for x, (m, dense) in zip(xs, layer):
+                    for x, (fns, dense) in zip(xs, layer):
                         if path == "dense":
                             torch.nn.functional.linear(x, dense)
                         else:
-                            paths(m, tokens_, config)[path](x)
+                            fns[path](x)
 
             ms = common.time_ms(step) / COPIES
             weight_bytes = dense_bytes if path == "dense" else nvfp4_bytes
-            rows.append(dict(block=model, tokens=tokens_, path=name, time_ms=ms, weight_gbps=weight_bytes / ms / 1e6))
+            rows.append(dict(block=model, tokens=tokens_, path=path, time_ms=ms, weight_gbps=weight_bytes / ms / 1e6))
             print(block_line(rows[-1]), flush=True)
     return rows
 
@@ -135,11 +119,11 @@ def line(r: dict) -> str:
             f"{r['tflops']:.1f} | {r['rel_error']:.2e}{' NaN' if r['nan'] else ''} |")
 
 
-def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens: int, gemv_max_tokens: int) -> str:
+def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens: int) -> str:
     out = [f"NVFP4 weight GEMM (W4A16, bf16 activations), {model}'s linear layers (K x N), random weights quantized by "
-           f"the 4/6 rule. policy: marlin_gemv up to {gemv_max_tokens} tokens, Marlin below {dense_min_tokens}, the "
-           "weight decoded for cuBLAS from there. decode rows: the decoder alone (GB/s: codes and scales read + bf16 "
-           "written). Weight GB/s: the path's weight bytes (NVFP4: 0.5625 B a weight; dense: 2) / time.", ""]
+           f"the 4/6 rule. policy: Marlin below {dense_min_tokens} tokens, the weight decoded for cuBLAS from there. "
+           "decode rows: the decoder alone (GB/s: codes and scales read + bf16 written). Weight GB/s: the path's "
+           "weight bytes (NVFP4: 0.5625 B a weight; dense: 2) / time.", ""]
     if blocks:
         out += [f"One block's {len(MODELS[model])} layers in a row, each read from HBM ({COPIES} copies of the "
                 "weights), time per block:", "", "| tokens | path | µs / block | weight GB/s |",
@@ -157,24 +141,14 @@ def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens:
     keyed = {(r["K"], r["N"], r["tokens"], r["path"]): r["time_ms"] for r in rows}
     for (k, n, m, path), ms in keyed.items():
         if path == "dense":
-            out.append(f"| {k}x{n} | {m} | " + " | ".join(
-                f"{ms / keyed[(k, n, m, p)]:.2f}x" if (k, n, m, p) in keyed else "-" for p in PATHS[1:]) + " |")
+            out.append(f"| {k}x{n} | {m} | " + " | ".join(f"{ms / keyed[(k, n, m, p)]:.2f}x" for p in PATHS[1:]) + " |")
     return "\n".join(out) + "\n"
-
-
-def launch_configs() -> list:
-    """marlin_gemv launch shapes to compare: (k-tiles, n-tiles, warps) x programs an SM."""
-    from turboquant_vllm.quant.quartet2.marlin_gemv import Config
-
-    shapes = [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 4), (4, 1, 4), (1, 4, 4), (4, 2, 8), (2, 4, 8), (8, 1, 8)]
-    return [Config(*s, p) for s in shapes for p in (2, 4, 8)]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--model", choices=list(MODELS), default="cloverlm-4b")
     ap.add_argument("--tokens", default=TOKENS)
-    ap.add_argument("--gemv-launches", action="store_true", help="compare marlin_gemv's launch shapes (block rows)")
     common.add_out_argument(ap, "benchmarks/results/nvfp4_gemm/<gpu>-<model>")
     args = ap.parse_args(argv)
     meta = common.print_header(common.command_line(NAME, argv))
@@ -183,21 +157,17 @@ def main(argv: list[str] | None = None) -> None:
 
     vllm_process_group()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks = block(args.model, gen, BLOCK_TOKENS)
+    torch.cuda.empty_cache()
     rows = []
-    if args.gemv_launches:
-        blocks = block(args.model, gen, (1, 4), launch_configs())
-    else:
-        blocks = block(args.model, gen, BLOCK_TOKENS)
+    for k, n in MODELS[args.model]:
+        rows += run(k, n, [int(t) for t in args.tokens.split(",")], gen)
         torch.cuda.empty_cache()
-        for k, n in MODELS[args.model]:
-            rows += run(k, n, [int(t) for t in args.tokens.split(",")], gen)
-            torch.cuda.empty_cache()
-    name = f"{args.model}-gemv-launches" if args.gemv_launches else args.model
-    stem = common.stem_of(args.out) if args.out else common.result_stem(NAME, name)
-    thresholds = dict(dense_min_tokens=marlin.dense_threshold(), gemv_max_tokens=marlin.gemv_threshold())
-    doc = {"rows": rows, "blocks": blocks, "meta": {"model": args.model, **thresholds}}
+    stem = common.stem_of(args.out) if args.out else common.result_stem(NAME, args.model)
+    doc = {"rows": rows, "blocks": blocks, "meta": {"model": args.model, "dense_min_tokens": marlin.dense_threshold()}}
     common.write_json(common.with_ext(stem, ".json"), doc, meta)
-    common.write_markdown(common.with_ext(stem, ".md"), markdown(rows, blocks, args.model, **thresholds), meta)
+    common.write_markdown(common.with_ext(stem, ".md"), markdown(rows, blocks, args.model, marlin.dense_threshold()),
+                          meta)
     print(f"wrote {stem}.json / .md", flush=True)
 
 

@@ -7,7 +7,7 @@ multiplies them in fp32 and the result is rounded once to bf16 / fp16. So |y - r
 2^-11 for fp16) plus the fp32 sums' error, bounded here by 2^-16 sum_k |x_k w_k| (far above its typical size,
 ~2^-24 sqrt(K), and far below u |ref| for outputs not cancelled to near zero). A fused layer with per-part tensor
 scales rounds a second time (the per-column ratio after the kernel): 2u. A bias added after the kernel: one more, of
-the sum. marlin_gemv (up to MAX_TOKENS tokens) and the decoded weight's cuBLAS GEMM do the same arithmetic.
+the sum.
 
     pytest -m gpu tests/quant/quartet2/test_gpu_marlin.py
 """
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from tests.quant.quartet2.layers import on_the_fly_layer
-from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_dequant, marlin_gemv, method, nvfp4
+from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_dequant, method, nvfp4
 
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (1000, 1040)]  # (N, K); the last: padded to Marlin's tiles
-MS = [1, 3, 7, 64, 300, 700]  # 1, 3: marlin_gemv; 700: past DENSE_MIN_TOKENS, the weight decoded for cuBLAS
+MS = [1, 7, 64, 300, 700]  # 700: past marlin_dequant.DENSE_MIN_TOKENS, the weight decoded for one cuBLAS call
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -114,7 +114,6 @@ def test_small_scales_lifted_by_vllm_decode_exactly():
     x = x.to(torch.bfloat16)
     assert_w4a16(marlin.marlin_linear(x, m), x, w)
     assert_w4a16(marlin.marlin_linear(x[:5], m), x[:5], w)
-    assert_w4a16(marlin.marlin_linear(x[:2], m), x[:2], w)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -145,10 +144,10 @@ def test_groups_below_marlins_scale_range_run_as_zeros():
     x[:, :16] = 0
     assert linear.unscaled_values(w.packed, w.scales)[:, 16:].abs().sum() > 0  # the exact weight is not zero there
     m = marlin.prepare(w, torch.bfloat16)
-    assert all((marlin.marlin_linear(x[:rows], m) == 0).all() for rows in (2, 5, 600))  # the three GEMMs
+    assert (marlin.marlin_linear(x[:5], m) == 0).all() and (marlin.marlin_linear(x, m) == 0).all()  # both GEMMs
 
 
-@pytest.mark.parametrize("rows", [2, 7, 600], ids=["gemv", "marlin", "decoded"])
+@pytest.mark.parametrize("rows", [7, 600], ids=["marlin", "decoded"])
 @pytest.mark.parametrize("fused", [False, True], ids=["one-scale", "per-part"])
 def test_cuda_graph_replays_the_eager_output(fused, rows):
     w = fused_weight() if fused else quantized(4096, 4096)
@@ -197,25 +196,3 @@ def test_torch_compile_chooses_the_gemm_per_call():
     decoded = m._replace(dense_min_tokens=1)
     x = torch.randn(700, 4096, generator=gen, device="cuda").to(torch.bfloat16)
     assert not torch.equal(marlin.marlin_linear(x, decoded), marlin.marlin_linear(x, m._replace(dense_min_tokens=0)))
-
-
-CONFIGS = [marlin_gemv.CONFIG, marlin_gemv.Config(1, 1, 1, 1), marlin_gemv.Config(4, 2, 4, 8),
-           marlin_gemv.Config(1, 4, 4, 2)]
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_gemv_is_w4a16_for_every_token_count_and_launch(shape, dtype, config):
-    """marlin_gemv on the real repack, partials poisoned first: every launch shape, 1 to MAX_TOKENS tokens."""
-    n, k = shape
-    w, m = quantized(n, k), prepared(n, k, dtype)
-    part, tickets = marlin_gemv.reserve_scratch(m.weight_scale.shape[1], k, m.weight.device, config)
-    part.fill_(float("nan"))
-    gen = torch.Generator(device="cuda").manual_seed(n * 3 + k)
-    for tokens in range(1, marlin_gemv.MAX_TOKENS + 1):
-        x = torch.randn(tokens, k, generator=gen, device="cuda").to(dtype)
-        y = marlin_gemv.gemv(x, m.weight, m.weight_scale, n, k, m.dense_alpha, config)
-        assert_w4a16(y, x, w)
-        assert torch.equal(marlin_gemv.gemv(x, m.weight, m.weight_scale, n, k, m.dense_alpha, config), y)
-    assert (tickets == 0).all()

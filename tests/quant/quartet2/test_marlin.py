@@ -120,7 +120,6 @@ def marlin_on_cpu(monkeypatch):
     monkeypatch.setattr(marlin_utils_fp4, "apply_fp4_marlin_linear", apply)
     monkeypatch.setattr(config, "gpu", lambda: (90, True, False))
     monkeypatch.delenv(method.PATH_ENV, raising=False)
-    monkeypatch.setenv(marlin.GEMV_ENV, "0")  # the stand-in keeps the pre-Marlin layout, which marlin_gemv cannot read
     return seen
 
 

@@ -10,6 +10,28 @@ from tests.conftest import DEVICE
 from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_dequant, nvfp4
 
 
+def reference_repack(b_q_weight, perm, size_k, size_n, num_bits, is_a_8bit=False):
+    """gptq_marlin_repack by vLLM's Python reference (marlin_utils_test.marlin_weights)."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_test import get_weight_perm, marlin_weights
+
+    assert num_bits == 4 and not is_a_8bit and perm.numel() == 0
+    codes = marlin_dequant.unpack_words(b_q_weight.cpu()).permute(0, 2, 1).reshape(size_k, size_n)
+    return marlin_weights(codes.to(torch.int32), size_k, size_n, 4, get_weight_perm(4)).to(b_q_weight.device)
+
+
+@pytest.fixture
+def marlin_layout_on_cpu(monkeypatch):
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
+
+    monkeypatch.setattr(ops, "gptq_marlin_repack", reference_repack, raising=False)
+    monkeypatch.setattr(marlin_utils_fp4, "marlin_make_workspace_new",
+                        lambda device, *a, **kw: torch.zeros(1, dtype=torch.int32, device=device))
+    marlin_dequant.tables.cache_clear()
+    yield
+    marlin_dequant.tables.cache_clear()
+
+
 def weight(n, k, seed, case="quantized"):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, k, generator=gen) * 0.05

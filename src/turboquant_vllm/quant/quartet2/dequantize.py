@@ -18,16 +18,11 @@ BLOCK_ROWS, BLOCK_COLS = 16, 128
 
 
 @triton.jit
-def e2m1_half(code):
-    """E2M1 codes (int32, the low 4 bits: sign << 3 | magnitude index; higher bits ignored) -> fp16 value * 2^-14:
-    the code's bits placed in fp16's bits 15 and 11..9 (magnitude index 1, 0.5, lands on a subnormal, exactly)."""
-    return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def e2m1_value(code):
-    """E2M1 codes (int32: sign << 3 | magnitude index) -> their fp32 values."""
-    return e2m1_half(code).to(tl.float32) * 16384.0
+    """E2M1 codes (int32: sign << 3 | magnitude index) -> their fp32 values: the code's bits placed in fp16's bits 15
+    and 11..9 make its value * 2^-14."""
+    half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 16384.0
 
 
 @triton.jit
