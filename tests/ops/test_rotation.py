@@ -6,6 +6,7 @@ from tests.ops.cases import random_calibration
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.ops import merge_and_unrotate, rotate_queries
+from turboquant_vllm.ops.rotation import merge_spread_and_unrotate
 from turboquant_vllm.ops.constants import kernel_constants
 from turboquant_vllm.ops.rotation.naive import (
     merge_and_unrotate_reference,
@@ -53,11 +54,12 @@ def check_offsets(offset, query, scale, cal):
     torch.testing.assert_close(offset, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("spread", [False, True], ids=["one-launch", "spread"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("splits", [1, 2, 6, 8, 12, 32])
+@pytest.mark.parametrize("splits", [1, 2, 6, 8, 12, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_merge_and_unrotate_matches_reference(head_dim, splits, dtype):
-    gen = torch.Generator().manual_seed(hash((head_dim, splits, str(dtype))) % 2**31)
+def test_merge_and_unrotate_matches_reference(head_dim, splits, dtype, spread):
+    gen = torch.Generator().manual_seed(hash((head_dim, splits, str(dtype), spread)) % 2**31)
     tokens, q_heads = int(torch.randint(1, 20, (1,), generator=gen)), 3
     rows = tokens * q_heads
     layout = layout_for(head_dim, 1)
@@ -69,7 +71,8 @@ def test_merge_and_unrotate_matches_reference(head_dim, splits, dtype):
     m[empty], l_part[empty], acc[empty] = float("-inf"), 0.0, 0.0
     ml = torch.stack((m, l_part), dim=1)
     out = torch.full((tokens, q_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-    merge_and_unrotate(acc.to(DEVICE), ml.to(DEVICE), splits, out, layout)
+    merge = merge_spread_and_unrotate if spread else merge_and_unrotate
+    merge(acc.clone().to(DEVICE), ml.to(DEVICE), splits, out, layout)  # the spread merge writes over its partials
     ref = merge_and_unrotate_reference(acc, ml, kernel_constants(layout, "cpu").rotation)
     assert not out.isnan().any()
     assert (out[0, 0] == 0).all()

@@ -37,10 +37,11 @@ PROGRAMS_PER_SM_HEAD_DIM_256 = 4
 # Query tokens a sequence the decode kernel runs as that many decodes (speculative verification: 1 + drafted tokens,
 # twice the drafts under parallel drafting); each reads its context once, so longer queries take the general kernel.
 MAX_DECODE_QUERY_LEN = 16
-# A merge program takes 4 rows (of 16 in its MMA tile) up to 64 rows, so one or two sequences' partials spread over
-# more SMs: H200 (h200-tq4-one-sequence-d128.md) 2 x 32k 0.0522 -> 0.0502 ms at d 128, H100 0.0524 -> 0.0508; from
-# 256 rows on it neither gains nor loses.
-MERGE_ROWS_SMALL_BATCH = 4
+# Up to 64 rows a decode's merge is spread (ops.rotation.merge_spread_and_unrotate): each row's partials merged per
+# block of columns, then un-rotated per block of output columns, two launches over many SMs instead of one over a
+# few programs walking R and the partials in K steps (one sequence of 32 q heads: 8 programs, H100 d 128 1 x 8k 15.0
+# us, d 256 61.2 us of a 29.8 / 93.3 us decode).
+MERGE_SPREAD = 0  # paged_attention's merge_rows for it
 SMALL_BATCH_ROWS = 64
 
 
@@ -109,8 +110,9 @@ def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None
 
 
 def decode_merge_rows(rows: int) -> int | None:
-    """Rows a merge program of a decode launch takes (ops.rotation.merge_and_unrotate); None: its tile's rows."""
-    return MERGE_ROWS_SMALL_BATCH if rows <= SMALL_BATCH_ROWS else None
+    """Rows a merge program of a decode launch takes (ops.rotation.merge_and_unrotate); None: its tile's rows;
+    MERGE_SPREAD: the spread merge (ops.rotation.merge_spread_and_unrotate)."""
+    return MERGE_SPREAD if rows <= SMALL_BATCH_ROWS else None
 
 
 def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:

@@ -1,8 +1,8 @@
 """Into and out of the cache's rotated basis: queries before paged attention, outputs after.
 
 References: naive.rotate_queries_reference ((q * key scale) @ R.T * scale), naive.query_offsets_reference
-(q.key mean * scale, under a key calibration) and merge_and_unrotate_reference (the split merge, then @ R), R being
-core.rotation's matrix (fp32).
+(q.key mean * scale, under a key calibration) and merge_and_unrotate_reference (the split merge, then @ R, for both
+merge_and_unrotate and merge_spread_and_unrotate), R being core.rotation's matrix (fp32).
 
 Each direction is one launch that also does what used to be separate torch ops around it (the
 key calibration's query scale, the softmax scale, the split merge, the casts): a decode step has
@@ -113,6 +113,20 @@ def _rotate_queries_kernel(
         tl.store(offset_ptr + rows, offset * scale, mask=row_ok)
 
 
+@triton.jit
+def split_weights(ml_ptr, rows, s, s_ok, NUM_SPLITS: tl.constexpr):
+    """(rows, splits) fp32: each split's share of its row's softmax, from the row maxima (log2) and sums in ml;
+    rows and s broadcast to (rows, splits), s_ok masks the padding. A row that saw no key gets weights 0."""
+    ml = ml_ptr + rows * (2 * NUM_SPLITS) + s
+    m = tl.load(ml, mask=s_ok, other=float("-inf"))
+    l_part = tl.load(ml + NUM_SPLITS, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max[:, None])
+    total = tl.sum(w * l_part, axis=1)
+    return w / tl.where(total == 0.0, 1.0, total)[:, None]
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads"])
 def _merge_and_unrotate_kernel(
     acc_ptr, ml_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
@@ -127,14 +141,7 @@ def _merge_and_unrotate_kernel(
     row_ok = (r < ROWS) & (rows < num_rows)
     s = tl.arange(0, S_PAD)
     s_ok = row_ok[:, None] & (s[None, :] < NUM_SPLITS)
-    ml = ml_ptr + rows[:, None] * (2 * NUM_SPLITS) + s[None, :]
-    m = tl.load(ml, mask=s_ok, other=float("-inf"))
-    l_part = tl.load(ml + NUM_SPLITS, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a row that saw no key
-    w = tl.exp2(m - m_max[:, None])
-    total = tl.sum(w * l_part, axis=1)
-    w = w / tl.where(total == 0.0, 1.0, total)[:, None]  # a row that saw no key stays 0
+    w = split_weights(ml_ptr, rows[:, None], s[None, :], s_ok, NUM_SPLITS)
     acc = tl.zeros((BLOCK_R, D_PAD), tl.float32)
     for k0 in tl.static_range(0, D_PAD, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -147,6 +154,47 @@ def _merge_and_unrotate_kernel(
     head = rows % num_q_heads
     j = tl.arange(0, D_PAD)
     out = round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + j[None, :], out,
+             mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _merge_splits_kernel(acc_ptr, ml_ptr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """acc[row, 0, columns] <- the softmax merge of the row's NUM_SPLITS partials over one block of columns, in
+    place: that block of the row's partials is read by this program alone."""
+    row = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    s = tl.arange(0, S_PAD)
+    s_ok = s < NUM_SPLITS
+    w = split_weights(ml_ptr, row, s[None, :], s_ok[None, :], NUM_SPLITS)  # (1, S_PAD)
+    k_ok = k < HEAD_DIM
+    base = acc_ptr + row.to(tl.int64) * (NUM_SPLITS * HEAD_DIM)
+    part = tl.load(base + s[:, None] * HEAD_DIM + k[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+    tl.store(base + k[None, :], tl.sum(part * tl.trans(w), axis=0, keep_dims=True), mask=k_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_q_heads", "stride_x"])
+def _unrotate_kernel(x_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_x, stride_ot, stride_oh,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """out[row, columns] = x[row] @ R[:, columns] for fp32 rows x (stride_x apart), cast to out's dtype: a block of
+    rows and of output columns a program, each operand one load (one round trip to L2, not one per K step)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    k = tl.arange(0, D_PAD)
+    j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + k[None, :],
+                mask=row_ok[:, None] & (k[None, :] < HEAD_DIM), other=0.0)
+    r = tl.load(rot_ptr + k[:, None] * HEAD_DIM + j[None, :], mask=(k[:, None] < HEAD_DIM) & (j[None, :] < HEAD_DIM),
+                other=0.0)
+    if INTERPRET:  # NumPy's matmul rounds a row by where it sits in the tile; a row's own sum does not
+        acc = tl.sum(x[:, :, None] * r[None, :, :], axis=1)
+    else:
+        acc = tl.dot(x, r, input_precision="tf32x3")
+    out = round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
+    token = rows // num_q_heads
+    head = rows % num_q_heads
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + j[None, :], out,
              mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
 
@@ -216,4 +264,28 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
         S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r, ROWS=per_program,
         BLOCK_K=max(16, min(32, 512 // (s_pad * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
     )
+    return out
+
+
+def merge_spread_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, out: torch.Tensor,
+                              layout: CacheLayout) -> torch.Tensor:
+    """merge_and_unrotate for few rows (a decode step of a few sequences, each with many splits) in two launches
+    spread over the GPU: each row's partials merged per block of columns (into the row's first split slot, in
+    place), then those rows times R per block of output columns. One launch over few rows leaves most SMs idle and
+    each program walking R and the partials in K steps, one L2 round trip each."""
+    tokens, q_heads, head_dim = out.shape
+    if out.stride(2) != 1:
+        raise ValueError("out must be contiguous in head_dim")
+    rows = tokens * q_heads
+    if rows == 0:
+        return out
+    s_pad, d_pad = next_pow2(num_splits), next_pow2(head_dim)
+    block_k = min(d_pad, max(16, 2048 // s_pad))  # a program's partials: about 2k elements, one load
+    _merge_splits_kernel[(rows, triton.cdiv(head_dim, block_k))](
+        part_acc, part_ml, NUM_SPLITS=num_splits, S_PAD=s_pad, HEAD_DIM=head_dim, BLOCK_K=block_k, num_warps=4)
+    block_j = max(16, 4096 // d_pad)  # a program's block of R: 4k elements
+    _unrotate_kernel[(triton.cdiv(rows, 16), triton.cdiv(head_dim, block_j))](
+        part_acc, out, kernel_constants(layout, out.device).rotation, rows, q_heads, num_splits * head_dim,
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=16, BLOCK_J=block_j,
+        INTERPRET=INTERPRETED, num_warps=4)
     return out
