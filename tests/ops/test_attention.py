@@ -257,7 +257,7 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
             else AttentionLaunch(1, 3, 0, 4, 64, 16) if p == "tq4"
             else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24, 64) for p, d in got}
     assert got == want
-    assert [decode_merge_rows(r) for r in (1, 32, 64, 65, 4096)] == [MERGE_SPREAD] * 3 + [None, None]
+    assert [decode_merge_rows(r) for r in (1, 64, 128, 129, 4096)] == [MERGE_SPREAD] * 3 + [None, None]
 
 
 @pytest.mark.parametrize("preset,head_dim,dtype,window", [

@@ -10,7 +10,12 @@ from turboquant_vllm.ops.attention.decode import _decode_kernel
 from turboquant_vllm.ops.attention.launch import decode_num_splits, num_sms
 from turboquant_vllm.ops.attention.general import _attention_kernel
 from turboquant_vllm.ops.dequant.dequant import _dequant_kernel
-from turboquant_vllm.ops.rotation.rotation import LARGE_ROWS, _merge_and_unrotate_kernel
+from turboquant_vllm.ops.rotation.rotation import (
+    LARGE_ROWS,
+    _merge_and_unrotate_kernel,
+    _merge_splits_kernel,
+    _spread_rotation_kernel,
+)
 from turboquant_vllm.ops.store.store import STORE_LARGE_BATCH, _store_kv_kernel
 
 
@@ -44,10 +49,10 @@ def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
     assert (("dequantize_pages", None, None, None) in calls) == dense_prefill
     query_rows = [c[2] * 32 for c in calls if c[0] == "paged_attention" and c[2] > 4]  # prefills: query = context
     assert min(query_rows) <= LARGE_ROWS < max(query_rows)  # both tilings of the query rotation
-    # decodes: one launch per distinct binary: 1 sequence (64 splits, merge programs of 4 rows), 2 (32 splits, 64
-    # rows: 4 a program), 3 (96 rows: the tile's 16), 130 (4,160 rows: the wide merge tiles, 4 splits); verifications
-    # of 4 tokens a sequence: 1 and 2 sequences (128 and 256 rows)
-    assert decodes == ([(1, 1), (1, 2), (1, 3), (1, 130)] if dense_prefill else [(1, 1), (1, 2), (4, 1), (4, 2)])
+    # decodes: one launch per distinct binary: 1 sequence (64 splits, the spread merge), 2 (32 splits, 64 rows,
+    # spread; 3 sequences' 96 rows take the same), 130 (4,160 rows: the wide merge tiles, 4 splits); verifications of
+    # 4 tokens a sequence: 1 and 2 sequences (128 rows: spread; 256: the merge's 16-row tiles)
+    assert decodes == ([(1, 1), (1, 2), (1, 130)] if dense_prefill else [(1, 1), (1, 2), (4, 1), (4, 2)])
 
 
 def compiled(kernel) -> int:
@@ -113,7 +118,8 @@ def test_serving_shapes_compile_nothing_after_warm_up(presets, head_dim, dtype):
     device = torch.device("cuda")
     for layout in layouts:
         warm_up(layout, dtype, q_heads, device, decode_batches=range(1, 65), decode_query_len=4)
-    kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel, _merge_and_unrotate_kernel)
+    kernels = (_store_kv_kernel, _dequant_kernel, _attention_kernel, _decode_kernel, _merge_and_unrotate_kernel,
+               _merge_splits_kernel, _spread_rotation_kernel)
     before = [compiled(k) for k in kernels]
     for layout in layouts:
         serving_launches(layout, dtype, q_heads, device)

@@ -8,7 +8,7 @@ import sys
 from typing import Callable
 
 OUR_KERNELS = ("_store_kv_kernel", "_dequant_kernel", "_attention_kernel", "_decode_kernel", "_rotate_queries_kernel",
-               "_merge_and_unrotate_kernel")
+               "_merge_and_unrotate_kernel", "_merge_splits_kernel", "_spread_rotation_kernel")
 
 
 def module_checks(namespace: dict) -> dict[str, Callable[[], object]]:

@@ -25,6 +25,11 @@ from ..constants import kernel_constants
 from ..utils import INTERPRETED, next_pow2, round_to
 
 LARGE_ROWS = 4096  # rows (tokens x query heads) above which a launch takes the wide tiles
+# Up to SPREAD_ROWS rows, the rotations spread over blocks of output columns (_spread_rotation_kernel): one launch
+# over a few row tiles leaves most SMs idle and each program walking R in K steps, one L2 round trip each (H100, one
+# sequence of 32 q heads: the merge 15.0 us at d 128, 61.2 us at d 256; spread 4.7 and 8.4 in two launches).
+SPREAD_ROWS = 128
+SPREAD_BLOCK_R = 16
 
 
 def launch_shape(rows: int, head_dim: int) -> tuple[int, int]:
@@ -174,29 +179,45 @@ def _merge_splits_kernel(acc_ptr, ml_ptr, NUM_SPLITS: tl.constexpr, S_PAD: tl.co
     tl.store(base + k[None, :], tl.sum(part * tl.trans(w), axis=0, keep_dims=True), mask=k_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_q_heads", "stride_x"])
-def _unrotate_kernel(x_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_x, stride_ot, stride_oh,
-                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """out[row, columns] = x[row] @ R[:, columns] for fp32 rows x (stride_x apart), cast to out's dtype: a block of
-    rows and of output columns a program, each operand one load (one round trip to L2, not one per K step)."""
+@triton.jit(do_not_specialize=["num_rows", "num_q_heads", "stride_xt", "stride_xh"])
+def _spread_rotation_kernel(x_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_xt, stride_xh, stride_ot, stride_oh,
+                            scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_J: tl.constexpr, TRANSPOSE: tl.constexpr, INTERPRET: tl.constexpr):
+    """out[row, columns] = x[row] @ M[:, columns] * scale, M = R (TRANSPOSE: R.T), rows = (token, q head) at x_ptr +
+    token * stride_xt + head * stride_xh, cast to out's dtype: a block of rows and of output columns a program,
+    each operand one load (one round trip to L2, not one per K step)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
-    k = tl.arange(0, D_PAD)
-    j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + k[None, :],
-                mask=row_ok[:, None] & (k[None, :] < HEAD_DIM), other=0.0)
-    r = tl.load(rot_ptr + k[:, None] * HEAD_DIM + j[None, :], mask=(k[:, None] < HEAD_DIM) & (j[None, :] < HEAD_DIM),
-                other=0.0)
-    if INTERPRET:  # NumPy's matmul rounds a row by where it sits in the tile; a row's own sum does not
-        acc = tl.sum(x[:, :, None] * r[None, :, :], axis=1)
-    else:
-        acc = tl.dot(x, r, input_precision="tf32x3")
-    out = round_to(acc, out_ptr.dtype.element_ty, INTERPRET)
     token = rows // num_q_heads
     head = rows % num_q_heads
+    k = tl.arange(0, D_PAD)
+    j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    x = tl.load(x_ptr + (token.to(tl.int64) * stride_xt + head * stride_xh)[:, None] + k[None, :],
+                mask=row_ok[:, None] & (k[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    m_ok = (k[:, None] < HEAD_DIM) & (j[None, :] < HEAD_DIM)
+    if TRANSPOSE:
+        m = tl.load(rot_ptr + j[None, :] * HEAD_DIM + k[:, None], mask=m_ok, other=0.0)
+    else:
+        m = tl.load(rot_ptr + k[:, None] * HEAD_DIM + j[None, :], mask=m_ok, other=0.0)
+    if INTERPRET:  # NumPy's matmul rounds a row by where it sits in the tile; a row's own sum does not
+        acc = tl.sum(x[:, :, None] * m[None, :, :], axis=1)
+    else:
+        acc = tl.dot(x, m, input_precision="tf32x3")
+    out = round_to(acc * scale, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + j[None, :], out,
              mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
+
+
+def _spread_rotation(x: torch.Tensor, out: torch.Tensor, rotation: torch.Tensor, stride_xt: int, stride_xh: int,
+                     scale: float, transpose: bool) -> None:
+    """out (tokens, q_heads, head_dim) = the rows of x (token, q head strides) @ R (or R.T) * scale."""
+    tokens, q_heads, head_dim = out.shape
+    d_pad = next_pow2(head_dim)
+    block_j = max(16, 4096 // d_pad)  # a program's block of R: 4k elements
+    _spread_rotation_kernel[(triton.cdiv(tokens * q_heads, SPREAD_BLOCK_R), triton.cdiv(head_dim, block_j))](
+        x, out, rotation, tokens * q_heads, q_heads, stride_xt, stride_xh, out.stride(0), out.stride(1), float(scale),
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=SPREAD_BLOCK_R, BLOCK_J=block_j, TRANSPOSE=transpose,
+        INTERPRET=INTERPRETED, num_warps=4)
 
 
 class RotatedQuery(NamedTuple):
@@ -230,6 +251,9 @@ def rotate_queries(
         return RotatedQuery(out, offset)
     rotation = kernel_constants(layout, query.device).rotation
     # any valid pointers without a calibration
+    if key_calibration is None and rows <= SPREAD_ROWS:
+        _spread_rotation(query, out, rotation, query.stride(0), query.stride(1), scale, transpose=True)
+        return RotatedQuery(out, offset)
     key_mean, key_scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (rotation, rotation)
     block_r, warps = launch_shape(rows, head_dim)
     _rotate_queries_kernel[(triton.cdiv(rows, block_r),)](
@@ -269,10 +293,9 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
 
 def merge_spread_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, out: torch.Tensor,
                               layout: CacheLayout) -> torch.Tensor:
-    """merge_and_unrotate for few rows (a decode step of a few sequences, each with many splits) in two launches
-    spread over the GPU: each row's partials merged per block of columns (into the row's first split slot, in
-    place), then those rows times R per block of output columns. One launch over few rows leaves most SMs idle and
-    each program walking R and the partials in K steps, one L2 round trip each."""
+    """merge_and_unrotate for up to SPREAD_ROWS rows (a decode step of a few sequences, each with many splits) in two
+    launches spread over the GPU: each row's partials merged per block of columns (into the row's first split slot,
+    in place: part_acc is scratch), then those rows times R per block of output columns."""
     tokens, q_heads, head_dim = out.shape
     if out.stride(2) != 1:
         raise ValueError("out must be contiguous in head_dim")
@@ -283,9 +306,6 @@ def merge_spread_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num
     block_k = min(d_pad, max(16, 2048 // s_pad))  # a program's partials: about 2k elements, one load
     _merge_splits_kernel[(rows, triton.cdiv(head_dim, block_k))](
         part_acc, part_ml, NUM_SPLITS=num_splits, S_PAD=s_pad, HEAD_DIM=head_dim, BLOCK_K=block_k, num_warps=4)
-    block_j = max(16, 4096 // d_pad)  # a program's block of R: 4k elements
-    _unrotate_kernel[(triton.cdiv(rows, 16), triton.cdiv(head_dim, block_j))](
-        part_acc, out, kernel_constants(layout, out.device).rotation, rows, q_heads, num_splits * head_dim,
-        out.stride(0), out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=16, BLOCK_J=block_j,
-        INTERPRET=INTERPRETED, num_warps=4)
+    _spread_rotation(part_acc, out, kernel_constants(layout, out.device).rotation, q_heads * num_splits * head_dim,
+                     num_splits * head_dim, 1.0, transpose=False)
     return out
