@@ -248,7 +248,8 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
     h200-tq4-one-sequence-d128.md)."""
     from turboquant_vllm.core.presets import get_preset
     from turboquant_vllm.ops.attention import AttentionLaunch, decode_launch
-    from turboquant_vllm.ops.attention.launch import MERGE_SPREAD, decode_merge_rows
+    from turboquant_vllm.ops.attention.launch import decode_merge_rows
+    from turboquant_vllm.ops.rotation.rotation import SPREAD
 
     got = {(p, d): decode_launch(get_preset(p), d)
            for p in ("tq4", "k4v3", "tq3", "k3v2", "tq2", "k5v4") for d in (64, 96, 128, 256)}
@@ -257,7 +258,7 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
             else AttentionLaunch(1, 3, 0, 4, 64, 16) if p == "tq4"
             else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24, 64) for p, d in got}
     assert got == want
-    assert [decode_merge_rows(r) for r in (1, 64, 128, 129, 4096)] == [MERGE_SPREAD] * 3 + [None, None]
+    assert [decode_merge_rows(r) for r in (1, 64, 128, 129, 4096)] == [SPREAD] * 3 + [None, None]
 
 
 @pytest.mark.parametrize("preset,head_dim,dtype,window", [

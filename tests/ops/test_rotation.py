@@ -6,7 +6,7 @@ from tests.ops.cases import random_calibration
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.ops import merge_and_unrotate, rotate_queries
-from turboquant_vllm.ops.rotation import merge_spread_and_unrotate
+from turboquant_vllm.ops.rotation.rotation import SPREAD
 from turboquant_vllm.ops.constants import kernel_constants
 from turboquant_vllm.ops.rotation.naive import (
     merge_and_unrotate_reference,
@@ -71,8 +71,8 @@ def test_merge_and_unrotate_matches_reference(head_dim, splits, dtype, spread):
     m[empty], l_part[empty], acc[empty] = float("-inf"), 0.0, 0.0
     ml = torch.stack((m, l_part), dim=1)
     out = torch.full((tokens, q_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-    merge = merge_spread_and_unrotate if spread else merge_and_unrotate
-    merge(acc.clone().to(DEVICE), ml.to(DEVICE), splits, out, layout)  # the spread merge writes over its partials
+    # the spread merge writes over its partials
+    merge_and_unrotate(acc.clone().to(DEVICE), ml.to(DEVICE), splits, out, layout, SPREAD if spread else None)
     ref = merge_and_unrotate_reference(acc, ml, kernel_constants(layout, "cpu").rotation)
     assert not out.isnan().any()
     assert (out[0, 0] == 0).all()

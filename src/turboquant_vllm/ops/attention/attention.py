@@ -25,14 +25,13 @@ import torch
 from ...core.calibration import KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..rotation import RotatedQuery, merge_and_unrotate, merge_spread_and_unrotate, rotate_queries
+from ..rotation import RotatedQuery, merge_and_unrotate, rotate_queries
 from ..utils import INTERPRETED, check_cache, check_calibration, check_dtype, check_index, next_pow2, page_constants
 from .decode import _decode_kernel
 from .general import _attention_kernel
 from .launch import (
     GENERAL_LAUNCH,
     MAX_DECODE_QUERY_LEN,
-    MERGE_SPREAD,
     MIN_SPLIT_TOKENS,
     attention_workspace_shape,
     decode_launch,
@@ -73,8 +72,8 @@ def paged_attention(
     """Causal attention of query (tokens, q_heads, head_dim) over the compressed pages, into out;
     key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice), min_split_tokens (the decode
-    kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate; 0: the
-    spread merge, merge_spread_and_unrotate): None takes the launch policy's choice (launch.py) for decode, the
+    kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate; 0: its
+    spread merge): None takes the launch policy's choice (launch.py) for decode, the
     general kernel's otherwise. rotated_query: the query already in the cache's basis (and its offsets under the key
     calibration), as store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch
     fewer). batch_invariant: every row computed as
@@ -180,6 +179,4 @@ def paged_attention(
         )
     if merge_rows is None and decode_only:
         merge_rows = decode_merge_rows(rows)
-    if merge_rows == MERGE_SPREAD:
-        return merge_spread_and_unrotate(part_acc, part_ml, num_splits, out, layout)
     return merge_and_unrotate(part_acc, part_ml, num_splits, out, layout, merge_rows)

@@ -13,7 +13,7 @@ import torch
 
 from ...core.layout import CacheLayout
 from ...core.presets import Preset
-from ..rotation.rotation import SPREAD_ROWS
+from ..rotation.rotation import SPREAD, SPREAD_ROWS
 from ..utils import next_pow2
 
 NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs)
@@ -38,10 +38,9 @@ PROGRAMS_PER_SM_HEAD_DIM_256 = 4
 # Query tokens a sequence the decode kernel runs as that many decodes (speculative verification: 1 + drafted tokens,
 # twice the drafts under parallel drafting); each reads its context once, so longer queries take the general kernel.
 MAX_DECODE_QUERY_LEN = 16
-# Up to ops.rotation.SPREAD_ROWS rows a decode's merge is spread (merge_spread_and_unrotate): each row's partials
+# Up to ops.rotation.SPREAD_ROWS rows a decode's merge is spread (merge_and_unrotate's SPREAD): each row's partials
 # merged per block of columns, then un-rotated per block of output columns, two launches over many SMs instead of
 # one over a few programs walking R and the partials in K steps.
-MERGE_SPREAD = 0  # paged_attention's merge_rows for it
 
 
 def num_sms(device: torch.device | None = None) -> int:
@@ -110,8 +109,8 @@ def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None
 
 def decode_merge_rows(rows: int) -> int | None:
     """Rows a merge program of a decode launch takes (ops.rotation.merge_and_unrotate); None: its tile's rows;
-    MERGE_SPREAD: the spread merge (ops.rotation.merge_spread_and_unrotate)."""
-    return MERGE_SPREAD if rows <= SPREAD_ROWS else None
+    SPREAD: the spread merge."""
+    return SPREAD if rows <= SPREAD_ROWS else None
 
 
 def attention_workspace_shape(num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> tuple[int]:

@@ -2,7 +2,7 @@
 
 References: naive.rotate_queries_reference ((q * key scale) @ R.T * scale), naive.query_offsets_reference
 (q.key mean * scale, under a key calibration) and merge_and_unrotate_reference (the split merge, then @ R, for both
-merge_and_unrotate and merge_spread_and_unrotate), R being core.rotation's matrix (fp32).
+of merge_and_unrotate's launches), R being core.rotation's matrix (fp32).
 
 Each direction is one launch that also does what used to be separate torch ops around it (the
 key calibration's query scale, the softmax scale, the split merge, the casts): a decode step has
@@ -30,6 +30,7 @@ LARGE_ROWS = 4096  # rows (tokens x query heads) above which a launch takes the 
 # sequence of 32 q heads: the merge 15.0 us at d 128, 61.2 us at d 256; spread 4.7 and 8.4 in two launches).
 SPREAD_ROWS = 128
 SPREAD_BLOCK_R = 16
+SPREAD = 0  # merge_and_unrotate's rows_per_program for the spread merge
 
 
 def launch_shape(rows: int, head_dim: int) -> tuple[int, int]:
@@ -270,7 +271,10 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
     """out = (softmax merge of the split partials) @ R: part_acc (rows, splits, head_dim) unnormalized
     accumulators, part_ml (rows, 2, splits) log2-domain row maxima and sums, rows = (token, q head).
     rows_per_program: 1 .. the launch's tile rows (launch_shape; the default): fewer spread a small batch's
-    partials over more programs."""
+    partials over more programs. 0 (SPREAD): two launches spread over the GPU, for few rows (up to SPREAD_ROWS: a
+    decode step of a few sequences, each with many splits): each row's partials merged per block of columns (into
+    the row's first split slot, in place: part_acc is scratch), then those rows times R per block of output
+    columns."""
     tokens, q_heads, head_dim = out.shape
     if out.stride(2) != 1:
         raise ValueError("out must be contiguous in head_dim")
@@ -278,34 +282,21 @@ def merge_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits
     if rows == 0:
         return out
     rotation = kernel_constants(layout, out.device).rotation
+    s_pad, d_pad = next_pow2(num_splits), next_pow2(head_dim)
+    if rows_per_program == SPREAD:
+        block_k = min(d_pad, max(16, 2048 // s_pad))  # a program's partials: about 2k elements, one load
+        _merge_splits_kernel[(rows, triton.cdiv(head_dim, block_k))](
+            part_acc, part_ml, NUM_SPLITS=num_splits, S_PAD=s_pad, HEAD_DIM=head_dim, BLOCK_K=block_k, num_warps=4)
+        _spread_rotation(part_acc, out, rotation, q_heads * num_splits * head_dim, num_splits * head_dim, 1.0,
+                         transpose=False)
+        return out
     block_r, warps = launch_shape(rows, head_dim)
     per_program = rows_per_program or block_r
     if not 1 <= per_program <= block_r:
-        raise ValueError(f"rows_per_program must lie in [1, {block_r}], got {rows_per_program}")
-    s_pad = next_pow2(num_splits)
+        raise ValueError(f"rows_per_program must lie in [1, {block_r}] or be {SPREAD}, got {rows_per_program}")
     _merge_and_unrotate_kernel[(triton.cdiv(rows, per_program),)](
         part_acc, part_ml, out, rotation, rows, q_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-        S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), BLOCK_R=block_r, ROWS=per_program,
+        S_PAD=s_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=block_r, ROWS=per_program,
         BLOCK_K=max(16, min(32, 512 // (s_pad * block_r // 16))), INTERPRET=INTERPRETED, num_warps=warps,
     )
-    return out
-
-
-def merge_spread_and_unrotate(part_acc: torch.Tensor, part_ml: torch.Tensor, num_splits: int, out: torch.Tensor,
-                              layout: CacheLayout) -> torch.Tensor:
-    """merge_and_unrotate for up to SPREAD_ROWS rows (a decode step of a few sequences, each with many splits) in two
-    launches spread over the GPU: each row's partials merged per block of columns (into the row's first split slot,
-    in place: part_acc is scratch), then those rows times R per block of output columns."""
-    tokens, q_heads, head_dim = out.shape
-    if out.stride(2) != 1:
-        raise ValueError("out must be contiguous in head_dim")
-    rows = tokens * q_heads
-    if rows == 0:
-        return out
-    s_pad, d_pad = next_pow2(num_splits), next_pow2(head_dim)
-    block_k = min(d_pad, max(16, 2048 // s_pad))  # a program's partials: about 2k elements, one load
-    _merge_splits_kernel[(rows, triton.cdiv(head_dim, block_k))](
-        part_acc, part_ml, NUM_SPLITS=num_splits, S_PAD=s_pad, HEAD_DIM=head_dim, BLOCK_K=block_k, num_warps=4)
-    _spread_rotation(part_acc, out, kernel_constants(layout, out.device).rotation, q_heads * num_splits * head_dim,
-                     num_splits * head_dim, 1.0, transpose=False)
     return out
