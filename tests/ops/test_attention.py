@@ -317,9 +317,16 @@ def test_verification_equals_decode_at_each_position(preset, head_dim, dtype, wi
     assert rel(verified, ref) < TOLERANCE[dtype] and rel(decoded, ref) < TOLERANCE[dtype]
 
 
-def test_batch_invariant_rows_ignore_the_batch_and_the_query_length():
+def test_batch_invariant_rows_ignore_the_batch_and_the_query_length(monkeypatch):
     """batch_invariant=True: a decode row alone, beside other sequences, or as the last row of a four-token query gives
-    the same bits; a split count other than one is refused."""
+    the same bits; a split count other than one is refused. Its queries never take the rotation's spread kernel for
+    few rows (the one kernel for any row count)."""
+    from turboquant_vllm.ops.rotation import rotation
+
+    def no_spread(*args, **kwargs):
+        raise AssertionError("batch-invariant attention took the spread rotation")
+
+    monkeypatch.setattr(rotation, "_spread_rotation", no_spread)
     gen = torch.Generator().manual_seed(11)
     b = make_paged_batch(gen, "tq4", 64, 2, 16, [40, 300], torch.bfloat16, DEVICE)
     store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout)
@@ -336,7 +343,10 @@ def test_batch_invariant_rows_ignore_the_batch_and_the_query_length():
     alone = attend(query[3:4], [0], [1])
     beside = attend(query[3:5], [0, 1], [1, 1])[:1]
     verified = attend(query, [0, 1], [4, 1])[3:4]
-    assert torch.equal(alone, beside) and torch.equal(alone, verified)
+    # beside a 25-token query: 156 rows, past the rotation's spread kernel (ops.rotation.SPREAD_ROWS)
+    crowd = torch.cat([query[3:4], torch.randn(25, 6, 64, generator=gen).to(torch.bfloat16).to(DEVICE)])
+    crowded = attend(crowd, [0, 1], [1, 25])[:1]
+    assert torch.equal(alone, beside) and torch.equal(alone, verified) and torch.equal(alone, crowded)
     with pytest.raises(ValueError, match="one split"):
         paged_attention(query[3:4], b.kv_cache, b.layout, b.block_table[:1],
                         torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), b.seq_lens[:1], max_query_len=1,

@@ -135,7 +135,7 @@ def paged_attention(
     # MMA operands are fp16 whatever the model dtype (3 more mantissa bits than bf16, same speed), but for
     # 4-bit keys: int8 keys and int8 hi / lo parts of the queries (exact products, see the kernel).
     if rotated_query is None:
-        rotated_query = rotate_queries(query, layout, scale, key_calibration, torch.float16)
+        rotated_query = rotate_queries(query, layout, scale, key_calibration, torch.float16, spread=not batch_invariant)
     q_rot, q_offset = rotated_query
     if q_rot.shape != query.shape or q_rot.dtype != torch.float16 or q_rot.stride(2) != 1:
         raise ValueError(f"rotated_query must be float16 of the query's shape {tuple(query.shape)}")

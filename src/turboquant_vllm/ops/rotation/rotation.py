@@ -235,11 +235,12 @@ class RotatedQuery(NamedTuple):
 
 def rotate_queries(
     query: torch.Tensor, layout: CacheLayout, scale: float, key_calibration: KeyCalibration | None = None,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype = torch.float16, spread: bool = True,
 ) -> RotatedQuery:
     """query (tokens, q_heads, head_dim) into the rotated basis, times the key calibration's scale and
     `scale` (the inner loops then work on codes directly): a new contiguous tensor of `dtype`, and with the key
-    calibration the queries' offsets."""
+    calibration the queries' offsets. spread: up to SPREAD_ROWS rows without a calibration take the spread kernel;
+    False: one kernel whatever the row count, so a row's bits do not depend on the batch (batch-invariant mode)."""
     tokens, q_heads, head_dim = query.shape
     if query.stride(2) != 1:
         raise ValueError("query must be contiguous in head_dim")
@@ -252,7 +253,7 @@ def rotate_queries(
         return RotatedQuery(out, offset)
     rotation = kernel_constants(layout, query.device).rotation
     # any valid pointers without a calibration
-    if key_calibration is None and rows <= SPREAD_ROWS:
+    if spread and key_calibration is None and rows <= SPREAD_ROWS:
         _spread_rotation(query, out, rotation, query.stride(0), query.stride(1), scale, transpose=True)
         return RotatedQuery(out, offset)
     key_mean, key_scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (rotation, rotation)
