@@ -11,12 +11,23 @@ def rows():
     return out
 
 
+def blocks():
+    return [dict(block="cloverlm-4b", tokens=1, path=path, time_ms=ms, weight_gbps=gbps)
+            for path, ms, gbps in zip(nvfp4_gemm.PATHS, (0.0792, 0.0589, 0.2499, 0.0590), (3407, 1288, 304, 1286))]
+
+
 def test_markdown_has_every_row_and_the_speed_against_dense():
-    md = nvfp4_gemm.markdown(rows(), "cloverlm-4b", 512)
+    md = nvfp4_gemm.markdown(rows(), blocks(), "cloverlm-4b", 512)
     assert "| 64x128 | - | decode | 0.0100 | 2000 | - | - |" in md
     assert "| 64x128 | 1024 | marlin | 0.0400 |" in md
     assert "| 64x128 | 1024 | 0.50x | 0.80x | 0.80x |" in md
     assert "Marlin below 512 tokens" in md
+    assert "| 1 | marlin | 58.9 | 1288 |" in md and "read from HBM (4 copies" in md
+
+
+def test_markdown_without_block_rows_has_no_block_table():
+    md = nvfp4_gemm.markdown(rows(), [], "cloverlm-4b", 512)
+    assert "µs / block" not in md and "| 64x128 | 1024 | marlin | 0.0400 |" in md
 
 
 def test_every_model_has_four_layers():
