@@ -2,7 +2,7 @@
 the instruction mix of its main loop: the per-tile issue cost that bounds decode speed (NOTES.md).
 
     python -m benchmarks kernel_sass [--kernel decode|general|store] [--preset tq4] [--block-n N] [--warps N]
-                                     [--stages N] [--maxnreg N] [--head-dim 128] [--build DIR]
+                                     [--stages N] [--maxnreg N] [--head-dim 128] [--group 4] [--build DIR]
 
 --kernel decode: the decode kernel (one softmax per warp, block-n tokens per block, block-n / warps per warp);
 general: the general attention kernel's loop (prefill and chunks; compiled here for one query token);
@@ -35,7 +35,7 @@ from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.ops import decode_launch, triton_kernels
 from turboquant_vllm.ops.constants import kernel_constants
 from turboquant_vllm.ops.store import STORE_LARGE_BATCH, store_block_tokens
-from turboquant_vllm.ops.utils import page_constants
+from turboquant_vllm.ops.utils import next_pow2, page_constants
 
 from . import common
 
@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", type=int, help="default: the decode launch policy's")
     ap.add_argument("--maxnreg", type=int, help="cap on registers per thread (0: ptxas chooses; default: the policy's)")
     ap.add_argument("--head-dim", type=int, default=128, help="store only (attention: 128)")
+    ap.add_argument("--group", type=int, default=4, help="decode: query heads a KV head (8 KV heads)")
     ap.add_argument("--build", type=Path, default=Path("build/kernel_sass"),
                     help="where the ttgir / ptx / cubin / sass are written")
     return ap
@@ -77,13 +78,16 @@ def main(argv: list[str] | None = None) -> None:
         return store_kernel(args)
     layout = CacheLayout(get_preset(args.preset), 128, 8, 16)  # the benchmark's shape: 32 q / 8 KV heads, d 128
     c = kernel_constants(layout, "cpu")
-    consts = dict(NUM_Q_HEADS=32, GROUP=4, NUM_SPLITS=2, USE_WINDOW=False, USE_SOFTCAP=False, CALIBRATED=False,
+    consts = dict(NUM_Q_HEADS=8 * args.group, GROUP=args.group, NUM_SPLITS=2, USE_WINDOW=False, USE_SOFTCAP=False,
+                  CALIBRATED=False,
                   UPCAST=False,
                   K_ASM=c.key_mma_asm, V_ASM=c.value_lookup_asm, **page_constants(layout))
     options = launch_options(args, layout)
     block_n = options.pop("block_n")
     if args.kernel == "decode":
-        consts.update(ROWS=8, WARPS=options["num_warps"], WARP_N=block_n // options["num_warps"], V_CHUNKS=2)
+        # paged_attention's decode launch: query rows padded to 8 or the group's next power of two
+        consts.update(ROWS=max(8, next_pow2(args.group)), WARPS=options["num_warps"],
+                      WARP_N=block_n // options["num_warps"], V_CHUNKS=2)
     else:
         consts.update(G_PAD=4, BLOCK_Q=1, BLOCK_M=16, BLOCK_N=block_n, DECODE_ONLY=True)
     pointers = dict(POINTERS, k_lut_ptr="*i8" if layout.preset.k_bits == 4 else "*fp16")
