@@ -73,15 +73,14 @@ def paged_attention(
     key_calibration: the one the pages' keys were stored with (see core.calibration); num_splits, block_n,
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice), min_split_tokens (the decode
     kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate; 0: its
-    spread merge): None takes the launch policy's choice (launch.py) for decode, the
-    general kernel's otherwise. rotated_query: the query already in the cache's basis (and its offsets under the key
-    calibration), as store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch
-    fewer). batch_invariant: every row computed as
-    the general kernel computes it at one split, whatever the query length and the batch (decodes too): a row's
-    output then depends on its own query and context only (vLLM's batch-invariant mode). decode: run every query
-    token as a decode of its own causal prefix (None: when max_query_len is 1); with up to MAX_DECODE_QUERY_LEN
-    tokens a sequence (speculative verification), each row then equals what decoding its position computes at the
-    same split count.
+    spread merge): None takes the launch policy's choice (launch.py) for decode, the general kernel's otherwise.
+    rotated_query: the query already in the cache's basis (and its offsets under the key calibration), as
+    store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch fewer).
+    batch_invariant: every row computed as the general kernel computes it at one split, whatever the query length
+    and the batch (decodes too): a row's output then depends on its own query and context only (vLLM's
+    batch-invariant mode). decode: run every query token as a decode of its own causal prefix (None: when
+    max_query_len is 1); with up to MAX_DECODE_QUERY_LEN tokens a sequence (speculative verification), each row then
+    equals what decoding its position computes at the same split count.
     validate=False: the caller has checked kv_cache against layout already (the vLLM backend, once per forward)."""
     num_tokens, num_q_heads, head_dim = query.shape
     check_dtype("query", query)

@@ -38,9 +38,6 @@ PROGRAMS_PER_SM_HEAD_DIM_256 = 4
 # Query tokens a sequence the decode kernel runs as that many decodes (speculative verification: 1 + drafted tokens,
 # twice the drafts under parallel drafting); each reads its context once, so longer queries take the general kernel.
 MAX_DECODE_QUERY_LEN = 16
-# Up to ops.rotation.SPREAD_ROWS rows a decode's merge is spread (merge_and_unrotate's SPREAD): each row's partials
-# merged per block of columns, then un-rotated per block of output columns, two launches over many SMs instead of
-# one over a few programs walking R and the partials in K steps.
 
 
 def num_sms(device: torch.device | None = None) -> int:
@@ -108,8 +105,9 @@ def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None
 
 
 def decode_merge_rows(rows: int) -> int | None:
-    """Rows a merge program of a decode launch takes (ops.rotation.merge_and_unrotate); None: its tile's rows;
-    SPREAD: the spread merge."""
+    """Rows a merge program of a decode launch takes (ops.rotation.merge_and_unrotate); None: its tile's rows.
+    Up to SPREAD_ROWS rows, SPREAD: two launches over many SMs instead of one over a few programs walking R and the
+    partials one K step at a time."""
     return SPREAD if rows <= SPREAD_ROWS else None
 
 

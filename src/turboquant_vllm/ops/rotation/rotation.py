@@ -252,10 +252,10 @@ def rotate_queries(
     if rows == 0:
         return RotatedQuery(out, offset)
     rotation = kernel_constants(layout, query.device).rotation
-    # any valid pointers without a calibration
     if spread and key_calibration is None and rows <= SPREAD_ROWS:
         _spread_rotation(query, out, rotation, query.stride(0), query.stride(1), scale, transpose=True)
         return RotatedQuery(out, offset)
+    # any valid pointers without a calibration
     key_mean, key_scale = (key_calibration.mean, key_calibration.scale) if key_calibration else (rotation, rotation)
     block_r, warps = launch_shape(rows, head_dim)
     _rotate_queries_kernel[(triton.cdiv(rows, block_r),)](
