@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         print("E2E_ROW " + json.dumps(row), flush=True)
         return
     model = SHAPES[args.shape][0] if args.shape else model_config(args.heads)
+    longest = max([c for _, c in runs] + [args.at_limit]) + max(GENERATED, args.at_limit_generate) + 8
+    if longest > model["max_position_embeddings"]:  # e.g. 1 x 100k: the config's positions extended to fit
+        model = dict(model, max_position_embeddings=longest)
     stem, logs = result_paths(model, args.tp, args.runs, args.at_limit, args.at_limit_generate, shape=args.shape)
     if args.out:
         stem = logs = common.stem_of(args.out)
