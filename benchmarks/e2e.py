@@ -87,6 +87,12 @@ def model_config(heads: str) -> dict:
                 num_key_value_heads=kv)
 
 
+def fit_positions(model: dict, tokens: int) -> dict:
+    """The model's config with positions for sequences of `tokens` (1 x 100k on the Llama shape), its own where they
+    suffice."""
+    return model if tokens <= model["max_position_embeddings"] else dict(model, max_position_embeddings=tokens)
+
+
 def config_name(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, at_limit_generate: int = 0,
                 shape: str | None = None) -> str:
     """<what> of the result path: <shape> or llama<layers>l-<Q>q<KV>kv, then
@@ -259,9 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         print("E2E_ROW " + json.dumps(row), flush=True)
         return
     model = SHAPES[args.shape][0] if args.shape else model_config(args.heads)
-    longest = max([c for _, c in runs] + [args.at_limit]) + max(GENERATED, args.at_limit_generate) + 8
-    if longest > model["max_position_embeddings"]:  # e.g. 1 x 100k: the config's positions extended to fit
-        model = dict(model, max_position_embeddings=longest)
+    model = fit_positions(model, max([c for _, c in runs] + [args.at_limit]) + max(GENERATED, args.at_limit_generate)
+                          + 8)
     stem, logs = result_paths(model, args.tp, args.runs, args.at_limit, args.at_limit_generate, shape=args.shape)
     if args.out:
         stem = logs = common.stem_of(args.out)

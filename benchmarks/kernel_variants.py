@@ -2,9 +2,10 @@
 split count against the launch policy's choice, CUDA-graph replay, plus the relative error against the PyTorch
 reference (ops.attention.naive) on 2 sequences (one with a ragged tail).
 
-    python -m benchmarks kernel_variants [NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,MIN_SPLIT[,MERGE_ROWS]]]] ...]
+    python -m benchmarks kernel_variants [NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,MIN_SPLIT[,MERGE_ROWS
+                                         [,HEAD_SPLIT]]]]]] ...]
         # MAXNREG 0: no cap; STAGES default 3; SPLITS 0: the policy's; MIN_SPLIT: least tokens a split, MERGE_ROWS:
-        # rows a merge program takes (0: the policy's)
+        # rows a merge program takes (0: the policy's); HEAD_SPLIT: programs a KV head's query heads are dealt to
         [--shapes "16,4,64,8192;16,4,32,32768;32,8,64,8192"]   # q heads, KV heads, batch, context
         [--presets tq4] [--head-dims 128] [--out PATH]
 
@@ -33,17 +34,19 @@ SHAPES = "16,4,64,8192;16,4,32,32768;32,8,64,8192"
 
 
 def configs(specs: list[str]) -> dict[str, dict]:
-    """NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,MIN_SPLIT[,MERGE_ROWS]]]] specs -> paged_attention options by name,
-    after the policy's."""
+    """NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,MIN_SPLIT[,MERGE_ROWS[,HEAD_SPLIT]]]]] specs -> paged_attention
+    options by name, after the policy's."""
     out: dict[str, dict] = {"policy": {}}  # the launch paged_attention chooses itself
     for spec in specs:
         name, values = spec.split("=")
         warps, block_n, regs, *rest = map(int, values.split(","))
-        stages, splits, min_split, merge_rows = rest + [3, 0, 0, 0][len(rest):]  # 3 stages, the rest the policy's
+        stages, splits, min_split, merge_rows, head_split = rest + [3, 0, 0, 0, 0][len(rest):]  # 3 stages, the
+        # rest the policy's
         out[name] = {"num_warps": warps, "block_n": block_n, "max_registers": regs, "num_stages": stages,
                      **({"num_splits": splits} if splits else {}),
                      **({"min_split_tokens": min_split} if min_split else {}),
-                     **({"merge_rows": merge_rows} if merge_rows else {})}
+                     **({"merge_rows": merge_rows} if merge_rows else {}),
+                     **({"head_split": head_split} if head_split else {})}
     return out
 
 
@@ -123,7 +126,7 @@ def markdown(rows: list[dict], variants: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = common.parser(NAME, __doc__)
-    ap.add_argument("variants", nargs="*", metavar="NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS]]")
+    ap.add_argument("variants", nargs="*", metavar="NAME=WARPS,BLOCK_N,MAXNREG[,STAGES[,SPLITS[,...]]]")
     ap.add_argument("--shapes", default=SHAPES, help="Q,KV,BATCH,CONTEXT;... (q heads, KV heads, batch, context)")
     ap.add_argument("--presets", default="tq4")
     ap.add_argument("--head-dims", default="128")

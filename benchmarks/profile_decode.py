@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from . import common
-from .e2e import HEADS, KV, child_row, model_config
+from .e2e import HEADS, KV, child_row, fit_positions, model_config
 
 NAME = "profile_decode"
 STEPS = 16
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     common.add_out_argument(ap, "benchmarks/results/profile_decode/<gpu>-<batch>x<context>")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    model = model_config(args.heads)
+    model = fit_positions(model_config(args.heads), args.context + MAX_GENERATED)
     if args.child:
         kv, model_dir = args.child.split(":", 1)
         row = profile(kv, model_dir, args.batch, args.context, model["num_hidden_layers"])

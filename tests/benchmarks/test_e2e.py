@@ -109,3 +109,12 @@ def test_vllm_takes_every_shape(tmp_path):
         assert cfg.architectures == model["architectures"]
         head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
         assert (cfg.get_head_size(), cfg.get_total_num_kv_heads()) == (head_dim, model["num_key_value_heads"])
+
+
+def test_long_runs_extend_the_positions():
+    """1 x 100k on the Llama shape: the config's positions grow to the longest run; shorter runs keep the model as it
+    is (its headline result path too)."""
+    assert e2e.fit_positions(e2e.MODEL, 8192) is e2e.MODEL
+    longer = e2e.fit_positions(e2e.MODEL, 102400 + e2e.GENERATED + 8)
+    assert longer["max_position_embeddings"] == 102536 and longer["num_hidden_layers"] == 16
+    assert e2e.result_paths(longer, runs="1x102400", gpu="h100")[0].name == "h100-llama16l-16q4kv-1x100k"

@@ -4,7 +4,8 @@ from benchmarks import kernel_variants as kv
 
 
 def test_variant_specs_default_stages_and_splits():
-    got = kv.configs(["a=1,32,168", "b=1,64,0,5", "c=4,128,0,3,16", "d=1,32,168,5,32,32", "e=1,32,168,5,64,0,2"])
+    got = kv.configs(["a=1,32,168", "b=1,64,0,5", "c=4,128,0,3,16", "d=1,32,168,5,32,32", "e=1,32,168,5,64,0,2",
+                      "f=1,32,168,5,0,0,0,2"])
     assert got["policy"] == {}
     assert got["a"] == {"num_warps": 1, "block_n": 32, "max_registers": 168, "num_stages": 3}
     assert got["b"] == {"num_warps": 1, "block_n": 64, "max_registers": 0, "num_stages": 5}
@@ -13,6 +14,7 @@ def test_variant_specs_default_stages_and_splits():
                         "min_split_tokens": 32}
     assert got["e"] == {"num_warps": 1, "block_n": 32, "max_registers": 168, "num_stages": 5, "num_splits": 64,
                         "merge_rows": 2}
+    assert got["f"] == {"num_warps": 1, "block_n": 32, "max_registers": 168, "num_stages": 5, "head_split": 2}
     assert kv.shapes_of(kv.SHAPES) == [(16, 4, 64, 8192), (16, 4, 32, 32768), (32, 8, 64, 8192)]
 
 

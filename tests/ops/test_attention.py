@@ -194,6 +194,32 @@ def test_workspace_is_caller_provided():
     assert (out.float() - ref).norm() / ref.norm() < 5e-3
 
 
+@pytest.mark.parametrize("preset", ["tq4", "tq3"])
+def test_decode_deals_query_heads_to_programs(preset):
+    """head_split: a group of 16 query heads decoded by two programs of 8 (a ragged group of 12: the second
+    program's last 4 rows masked) equals the reference; a split leaving a program < 8 heads, or outside the decode
+    kernel, is refused."""
+    gen = torch.Generator().manual_seed(11)
+    b = make_paged_batch(gen, preset, 64, 2, 16, [333, 70], torch.bfloat16, DEVICE)
+    store_kv_reference(b.keys, b.values, b.kv_cache, b.slot_mapping, b.layout)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    for q_heads in (32, 24):
+        q = torch.randn(2, q_heads, 64, generator=gen).bfloat16().to(DEVICE)
+        args = (q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens)
+        ref = paged_attention_reference(*args, 0.125)
+        out = torch.full_like(q, float("nan"))
+        paged_attention(*args, max_query_len=1, scale=0.125, out=out, num_splits=3, min_split_tokens=64,
+                        head_split=2)
+        assert not torch.isnan(out).any()
+        assert (out.float() - ref).norm() / ref.norm() < TOLERANCE[torch.bfloat16]
+    q = torch.randn(2, 16, 64, generator=gen).bfloat16().to(DEVICE)
+    args = (q, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens)
+    with pytest.raises(ValueError, match="head_split"):  # a group of 8: one program of 8 already
+        paged_attention(*args, max_query_len=1, scale=0.125, out=torch.empty_like(q), head_split=2)
+    with pytest.raises(ValueError, match="head_split"):  # a prefill runs the general kernel
+        paged_attention(*args, max_query_len=1, scale=0.125, out=torch.empty_like(q), head_split=2, decode=False)
+
+
 @pytest.mark.parametrize("preset,dtype", [("tq4", torch.bfloat16), ("tq3", torch.float16)])
 @pytest.mark.parametrize("q_len", [1, 40])
 def test_value_norms_from_zero_past_the_fp16_range(preset, dtype, q_len):
@@ -244,11 +270,11 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
     presets and tq4 at 256: one tile ahead, 24 programs per SM (tq4 at 256: 4), 168 registers at head_dim 65..128
     only; k5v4 (the general kernel): 4 warps, 2 per SM (benchmarks/results/kernel_variants/h200-decode-tables-stages-
     launch.log). One sequence: up to 64 splits in the per-warp kernel, 32 in the general one; more: 32, 16 for tq4 at
-    256 (h{100,200}-tq4-d256-split-count.md); merge programs of 4 rows up to 64 rows (h100-tq4-one-sequence-policy.md,
-    h200-tq4-one-sequence-d128.md)."""
+    256 (h{100,200}-tq4-d256-split-count.md), of at least 128 tokens for one sequence, 256 for more
+    (h100-tq4-one-sequence-split-floor-d*.md); up to 128 rows the spread merge (h100-one-sequence-kernels.log)."""
     from turboquant_vllm.core.presets import get_preset
     from turboquant_vllm.ops.attention import AttentionLaunch, decode_launch
-    from turboquant_vllm.ops.attention.launch import decode_merge_rows
+    from turboquant_vllm.ops.attention.launch import decode_merge_rows, decode_min_split_tokens
     from turboquant_vllm.ops.rotation.rotation import SPREAD
 
     got = {(p, d): decode_launch(get_preset(p), d)
@@ -259,6 +285,7 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
             else AttentionLaunch(1, 3, 168 if d in (96, 128) else 0, 24, 64) for p, d in got}
     assert got == want
     assert [decode_merge_rows(r) for r in (1, 64, 128, 129, 4096)] == [SPREAD] * 3 + [None, None]
+    assert [decode_min_split_tokens(n) for n in (1, 2, 64)] == [128, 256, 256]
 
 
 @pytest.mark.parametrize("preset,head_dim,dtype,window", [

@@ -32,10 +32,10 @@ from .general import _attention_kernel
 from .launch import (
     GENERAL_LAUNCH,
     MAX_DECODE_QUERY_LEN,
-    MIN_SPLIT_TOKENS,
     attention_workspace_shape,
     decode_launch,
     decode_merge_rows,
+    decode_min_split_tokens,
     decode_num_splits,
     num_sms,
     per_warp_decode,
@@ -63,6 +63,7 @@ def paged_attention(
     key_calibration: KeyCalibration | None = None,
     max_registers: int | None = None,
     min_split_tokens: int | None = None,
+    head_split: int = 1,
     merge_rows: int | None = None,
     rotated_query: RotatedQuery | None = None,
     batch_invariant: bool = False,
@@ -74,6 +75,7 @@ def paged_attention(
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice), min_split_tokens (the decode
     kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate; 0: its
     spread merge): None takes the launch policy's choice (launch.py) for decode, the general kernel's otherwise.
+    head_split: decode programs a KV head's query heads are dealt to (the decode kernel only).
     rotated_query: the query already in the cache's basis (and its offsets under the key calibration), as
     store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch fewer).
     batch_invariant: every row computed as the general kernel computes it at one split, whatever the query length
@@ -107,6 +109,10 @@ def paged_attention(
     if batch_invariant and num_splits not in (None, 1):
         raise ValueError(f"batch_invariant attention runs at one split, got num_splits={num_splits}")
     per_warp = decode and per_warp_decode(layout.preset)
+    if head_split != 1 and not (per_warp and head_split > 0 and not head_split & (head_split - 1)
+                                and head_split <= g_pad // 8):
+        raise ValueError(f"head_split {head_split}: the decode kernel deals a KV head's {g_pad} padded query heads "
+                         "to a power of two of programs, >= 8 heads each")
     # The general kernel's decode mode takes one query token a sequence; longer ones run its tiles of query tokens.
     decode_only = per_warp or decode and max_query_len == 1
     block_q = 1 if decode_only else max(1, 64 // g_pad)
@@ -158,13 +164,13 @@ def paged_attention(
     k_table = c.key_int8 if layout.preset.k_bits == 4 else c.key_values[torch.float16]
     strides = (q_rot.stride(0), q_rot.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1))
     if per_warp:
-        _decode_kernel[(num_seqs * max_query_len, layout.num_kv_heads, num_splits)](
+        _decode_kernel[(num_seqs * max_query_len, layout.num_kv_heads * head_split, num_splits)](
             q_rot, q_rot if q_offset is None else q_offset, kv_cache, block_table, query_start_loc, seq_lens, k_table,
             c.value_values[torch.float16], part_acc, part_ml, *strides, sliding_window or 0, float(softcap or 0.0),
             c.key_int8_step,
-            ROWS=max(8, g_pad), WARPS=num_warps, WARP_N=block_n // num_warps, QUERY_LEN=max_query_len,
-            V_CHUNKS=2 if head_dim > 64 else 1,
-            MIN_SPLIT_TOKENS=min_split_tokens or MIN_SPLIT_TOKENS,
+            ROWS=max(8, g_pad // head_split), HEAD_SPLIT=head_split, WARPS=num_warps, WARP_N=block_n // num_warps,
+            QUERY_LEN=max_query_len, V_CHUNKS=2 if head_dim > 64 else 1,
+            MIN_SPLIT_TOKENS=min_split_tokens or decode_min_split_tokens(num_seqs),
             **common,
         )
     else:

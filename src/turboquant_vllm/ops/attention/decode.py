@@ -14,7 +14,8 @@ from .tiles import int8_query, int_mma, query_halves, value_norm_terms
 def _decode_kernel(
     q_ptr, q_offset_ptr, cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_lut_ptr, v_lut_ptr, part_acc_ptr,
     part_ml_ptr, stride_qt, stride_qh, stride_bt, stride_cblock, stride_chead, sliding_window, softcap, k_step,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, WARPS: tl.constexpr, WARP_N: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_SPLIT: tl.constexpr, WARPS: tl.constexpr,
+    WARP_N: tl.constexpr,
     QUERY_LEN: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     V_CHUNKS: tl.constexpr,
@@ -35,11 +36,12 @@ def _decode_kernel(
     and the value codes load straight into the operand's (coordinate, token) order. The value tile decodes in
     V_CHUNKS pieces of the head dimension: fewer live registers. The warps' partials merge once at the end.
     CALIBRATED: keys stored with a key calibration; an uncentered one (negative norm) loses its query's offset.
+    HEAD_SPLIT: programs a KV head's query heads are dealt to, ROWS each (axis 1: KV head x HEAD_SPLIT).
     QUERY_LEN: query slots a sequence (programs along axis 0); the i-th token of a sequence of q tokens attends its
     first seq_len - (q - 1 - i) keys, and slots past q do nothing.
     """
     seq = tl.program_id(0) // QUERY_LEN
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_SPLIT
     split = tl.program_id(2)
     token = tl.load(qsl_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -56,7 +58,7 @@ def _decode_kernel(
     DH: tl.constexpr = D_PAD // 2
     DC: tl.constexpr = DH // V_CHUNKS  # value code bytes per chunk (2 coordinates each)
 
-    g = tl.arange(0, ROWS)
+    g = tl.arange(0, ROWS) + (tl.program_id(1) % HEAD_SPLIT) * ROWS  # this program's query heads of the group
     row_ok = (g < GROUP) & live
     head = kv_head * GROUP + g
     q_row = q_ptr + token * stride_qt + head * stride_qh

@@ -27,6 +27,12 @@ NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs
 MAX_SPLITS = 32
 MAX_SPLITS_ONE_SEQUENCE = 64
 MIN_SPLIT_TOKENS = 256
+# One sequence splits down to 128 tokens (4 tiles a warp): its short splits finish sooner, and their programs fill
+# the GPU. H100 (h100-tq4-one-sequence-split-floor-d{64,128,256}.md), 1 x 8k: d 128 group 4 0.0183 -> 0.0155 ms,
+# group 16 0.0264 -> 0.0226, d 64 group 8 0.0142 -> 0.0125, d 256 group 4 0.0321 -> 0.0270; 64 tokens at 128 splits
+# lost to it (0.0162 at d 128 group 4); 1 x 32k unchanged; at two sequences 128 tokens gained nothing (2 x 8k
+# 0.0190 -> 0.0191).
+MIN_SPLIT_TOKENS_ONE_SEQUENCE = 128
 # tq4 at head_dim 256, 16 q / 8 KV heads, H100 (h100-tq4-d256-split-count.md): up to 16 splits of two or more
 # sequences, not 32: 16 x 2k 0.1448 -> 0.0946 ms, 2 x 8k 0.1024 -> 0.0770, 8 x 32k 0.3546 -> 0.2829; splits left
 # empty there cost more than they save (the 512-token floor: 2 x 8k 0.1313). One sequence keeps 64: 1 x 32k 0.1490 ms
@@ -102,6 +108,11 @@ def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None
     launch = decode_launch(layout.preset, layout.head_dim)
     cap = launch.max_splits_one_sequence if num_seqs == 1 else launch.max_splits
     return split_count(num_seqs, layout.num_kv_heads, sms or num_sms(), launch.programs_per_sm, cap)
+
+
+def decode_min_split_tokens(num_seqs: int) -> int:
+    """The decode kernel's least tokens a split in a launch of num_seqs sequences."""
+    return MIN_SPLIT_TOKENS_ONE_SEQUENCE if num_seqs == 1 else MIN_SPLIT_TOKENS
 
 
 def decode_merge_rows(rows: int) -> int | None:
