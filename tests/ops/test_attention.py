@@ -271,10 +271,17 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
     only; k5v4 (the general kernel): 4 warps, 2 per SM (benchmarks/results/kernel_variants/h200-decode-tables-stages-
     launch.log). One sequence: up to 64 splits in the per-warp kernel, 32 in the general one; more: 32, 16 for tq4 at
     256 (h{100,200}-tq4-d256-split-count.md), of at least 128 tokens for one sequence, 256 for more
-    (h100-tq4-one-sequence-split-floor-d*.md); up to 128 rows the spread merge (h100-one-sequence-kernels.log)."""
+    (h100-tq4-one-sequence-split-floor-d*.md); up to 128 rows the spread merge (h100-one-sequence-kernels.log).
+    """
     from turboquant_vllm.core.presets import get_preset
     from turboquant_vllm.ops.attention import AttentionLaunch, decode_launch
-    from turboquant_vllm.ops.attention.launch import decode_merge_rows, decode_min_split_tokens
+    from turboquant_vllm.core.layout import CacheLayout
+    from turboquant_vllm.ops.attention.launch import (
+        decode_head_split,
+        decode_merge_rows,
+        decode_min_split_tokens,
+        decode_num_splits,
+    )
     from turboquant_vllm.ops.rotation.rotation import SPREAD
 
     got = {(p, d): decode_launch(get_preset(p), d)
@@ -286,6 +293,16 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
     assert got == want
     assert [decode_merge_rows(r) for r in (1, 64, 128, 129, 4096)] == [SPREAD] * 3 + [None, None]
     assert [decode_min_split_tokens(n) for n in (1, 2, 64)] == [128, 256, 256]
+    # one sequence: >= 512 programs over few KV heads (h100-tq4-one-sequence-splits-by-kv-heads-d*.md)
+    tq4, tq3 = get_preset("tq4"), get_preset("tq3")
+    splits = {(kv, n): decode_num_splits(n, CacheLayout(tq4, 128, kv, 16), sms=132) for kv in (1, 2, 3, 4, 8, 16)
+              for n in (1, 2)}
+    assert splits == {(1, 1): 256, (2, 1): 256, (3, 1): 256, (4, 1): 128, (8, 1): 64, (16, 1): 64,
+                      (1, 2): 32, (2, 2): 32, (3, 2): 32, (4, 2): 32, (8, 2): 32, (16, 2): 32}
+    assert decode_num_splits(1, CacheLayout(get_preset("k5v4"), 128, 2, 16), sms=132) == 32  # the general kernel
+    # two programs a KV head: one sequence, tq4 at head_dim 256, groups over 8 (h100-tq4-head-split-group16-d256.md)
+    assert [decode_head_split(n, tq4, 256, g) for n, g in ((1, 16), (1, 12), (1, 8), (2, 16))] == [2, 2, 1, 1]
+    assert decode_head_split(1, tq4, 128, 16) == decode_head_split(1, tq3, 256, 16) == 1
 
 
 @pytest.mark.parametrize("preset,head_dim,dtype,window", [

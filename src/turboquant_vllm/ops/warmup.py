@@ -22,7 +22,13 @@ import triton
 from ..core.calibration import KeyCalibration
 from ..core.layout import CacheLayout
 from .attention import paged_attention
-from .attention.launch import decode_merge_rows, decode_min_split_tokens, decode_num_splits, num_sms
+from .attention.launch import (
+    decode_head_split,
+    decode_merge_rows,
+    decode_min_split_tokens,
+    decode_num_splits,
+    num_sms,
+)
 from .dequant import dequantize_pages
 from .rotation.rotation import LARGE_ROWS, launch_shape
 from .store.store import STORE_LARGE_BATCH, store_block_tokens, store_kv
@@ -68,12 +74,15 @@ def warm_up(
     if dense_prefill:  # one binary whatever the lengths
         dequantize_pages(cache, layout, block_table, seq_lens, starts, n, n, dtype, key_calibration)
     sms = num_sms(device)
-    binaries = {}  # (query length, split count and floor, merge rows, merge tile) -> the fewest sequences launching it
+    binaries = {}  # (query length, split count and floor, head split, merge rows, merge tile) -> the fewest
+    # sequences launching it
+    group = num_q_heads // layout.num_kv_heads
     for q_len in sorted({1, decode_query_len}):
         for seqs in sorted(set(decode_batches)):
             rows = seqs * q_len * num_q_heads
             binaries.setdefault((q_len, decode_num_splits(seqs, layout, sms), decode_min_split_tokens(seqs),
-                                 decode_merge_rows(rows), launch_shape(rows, d)), seqs)
+                                 decode_head_split(seqs, layout.preset, d, group), decode_merge_rows(rows),
+                                 launch_shape(rows, d)), seqs)
     for (q_len, *_), seqs in binaries.items():  # every sequence reads the one scratch context
         query = torch.randn(seqs * q_len, num_q_heads, d, dtype=dtype, device=device)
         paged_attention(query, cache, layout, block_table.repeat(seqs, 1),

@@ -34,6 +34,7 @@ from .launch import (
     MAX_DECODE_QUERY_LEN,
     attention_workspace_shape,
     decode_launch,
+    decode_head_split,
     decode_merge_rows,
     decode_min_split_tokens,
     decode_num_splits,
@@ -63,7 +64,7 @@ def paged_attention(
     key_calibration: KeyCalibration | None = None,
     max_registers: int | None = None,
     min_split_tokens: int | None = None,
-    head_split: int = 1,
+    head_split: int | None = None,
     merge_rows: int | None = None,
     rotated_query: RotatedQuery | None = None,
     batch_invariant: bool = False,
@@ -75,7 +76,7 @@ def paged_attention(
     num_warps, num_stages, max_registers (per thread, 0: the compiler's choice), min_split_tokens (the decode
     kernel's least tokens a split), merge_rows (rows a merge program takes: ops.rotation.merge_and_unrotate; 0: its
     spread merge): None takes the launch policy's choice (launch.py) for decode, the general kernel's otherwise.
-    head_split: decode programs a KV head's query heads are dealt to (the decode kernel only).
+    head_split: decode programs a KV head's query heads are dealt to (the decode kernel only; None: the policy's).
     rotated_query: the query already in the cache's basis (and its offsets under the key calibration), as
     store_kv(..., query=query, query_scale=scale) returns it with the step's keys (one launch fewer).
     batch_invariant: every row computed as the general kernel computes it at one split, whatever the query length
@@ -109,6 +110,8 @@ def paged_attention(
     if batch_invariant and num_splits not in (None, 1):
         raise ValueError(f"batch_invariant attention runs at one split, got num_splits={num_splits}")
     per_warp = decode and per_warp_decode(layout.preset)
+    if head_split is None:
+        head_split = decode_head_split(num_seqs, layout.preset, head_dim, group) if per_warp else 1
     if head_split != 1 and not (per_warp and head_split > 0 and not head_split & (head_split - 1)
                                 and head_split <= g_pad // 8):
         raise ValueError(f"head_split {head_split}: the decode kernel deals a KV head's {g_pad} padded query heads "

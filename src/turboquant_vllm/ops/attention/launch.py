@@ -33,6 +33,12 @@ MIN_SPLIT_TOKENS = 256
 # lost to it (0.0162 at d 128 group 4); 1 x 32k unchanged; at two sequences 128 tokens gained nothing (2 x 8k
 # 0.0190 -> 0.0191).
 MIN_SPLIT_TOKENS_ONE_SEQUENCE = 128
+# One sequence over few KV heads: splits for at least 512 programs (up to 256 splits); 64 splits left 4 KV heads 256
+# one-warp programs. H100 (h100-tq4-one-sequence-splits-by-kv-heads-d{64,128}.md): 16 q / 4 KV 1 x 100k 0.0539 ->
+# 0.0369 ms (128 splits), 8 / 2 1 x 128k 0.0641 -> 0.0259 (256), d 64 9 / 3 1 x 128k 0.0429 -> 0.0257 (256), 1 x 8k
+# within 3%; 8 KV heads keep 64 (128 splits: 1 x 128k 0.0705 -> 0.0686, but 1 x 8k 0.0155 -> 0.0181).
+MIN_PROGRAMS_ONE_SEQUENCE = 512
+MAX_SPLITS_FEW_KV_HEADS = 256
 # tq4 at head_dim 256, 16 q / 8 KV heads, H100 (h100-tq4-d256-split-count.md): up to 16 splits of two or more
 # sequences, not 32: 16 x 2k 0.1448 -> 0.0946 ms, 2 x 8k 0.1024 -> 0.0770, 8 x 32k 0.3546 -> 0.2829; splits left
 # empty there cost more than they save (the 512-token floor: 2 x 8k 0.1313). One sequence keeps 64: 1 x 32k 0.1490 ms
@@ -107,12 +113,26 @@ def decode_num_splits(num_seqs: int, layout: CacheLayout, sms: int | None = None
         return 1
     launch = decode_launch(layout.preset, layout.head_dim)
     cap = launch.max_splits_one_sequence if num_seqs == 1 else launch.max_splits
-    return split_count(num_seqs, layout.num_kv_heads, sms or num_sms(), launch.programs_per_sm, cap)
+    splits = split_count(num_seqs, layout.num_kv_heads, sms or num_sms(), launch.programs_per_sm, cap)
+    if num_seqs == 1 and per_warp_decode(layout.preset):
+        few_heads = next_pow2(math.ceil(MIN_PROGRAMS_ONE_SEQUENCE / layout.num_kv_heads))
+        splits = max(splits, min(MAX_SPLITS_FEW_KV_HEADS, few_heads))
+    return splits
 
 
 def decode_min_split_tokens(num_seqs: int) -> int:
     """The decode kernel's least tokens a split in a launch of num_seqs sequences."""
     return MIN_SPLIT_TOKENS_ONE_SEQUENCE if num_seqs == 1 else MIN_SPLIT_TOKENS
+
+
+def decode_head_split(num_seqs: int, preset: Preset, head_dim: int, group: int) -> int:
+    """Decode programs a KV head's query heads are dealt to (8 or more each): 2 for one sequence of tq4 at head_dim
+    256 and groups over 8, whose 16-row tiles make each program twice as long. H100
+    (h100-tq4-head-split-group16-d256.md), group 16: 1 x 8k 0.0538 -> 0.0414 ms, 1 x 32k 0.1006 -> 0.0793; at 8 x 32k
+    it lost (0.4246 -> 0.4647), and at head_dim <= 128 it lost but at 1 x 8k (h100-tq4-head-split-group16-d64-d128.md:
+    d 128 1 x 32k 0.0388 -> 0.0412)."""
+    tq4 = preset.k_bits == 4 and preset.v_bits == 4
+    return 2 if num_seqs == 1 and tq4 and head_dim > 128 and group > 8 else 1
 
 
 def decode_merge_rows(rows: int) -> int | None:
