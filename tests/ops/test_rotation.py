@@ -44,6 +44,23 @@ def test_rotate_queries_matches_reference(head_dim, dtype, group, calibrated):
         check_offsets(offset, query, 0.3, cal)
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_spread_rotation_any_chain_length_matches_reference(head_dim):
+    """The spread kernel sums independent MMA chains of block_k over K: one chain (block_k = head_dim) or many, the
+    rows come out as the reference rotates them, in fp32 output (no rounding to hide behind)."""
+    from turboquant_vllm.ops.rotation.rotation import _spread_rotation
+
+    gen = torch.Generator().manual_seed(head_dim)
+    layout = layout_for(head_dim, 2)
+    rotation = kernel_constants(layout, DEVICE).rotation
+    query = torch.randn(3, 10, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ref = rotate_queries_reference(query, rotation, 0.5, None)
+    for block_k in (16, 64, 256):
+        out = torch.full(query.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+        _spread_rotation(query, out, rotation, query.stride(0), query.stride(1), 0.5, True, block_k)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def check_offsets(offset, query, scale, cal):
     """Under a key calibration, scale * q.mean per (token, query head) in fp32; none without one."""
     if cal is None:

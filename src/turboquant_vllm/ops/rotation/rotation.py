@@ -30,6 +30,9 @@ LARGE_ROWS = 4096  # rows (tokens x query heads) above which a launch takes the 
 # sequence of 32 q heads: the merge 15.0 us at d 128, 61.2 us at d 256; spread 4.7 and 8.4 in two launches).
 SPREAD_ROWS = 128
 SPREAD_BLOCK_R = 16
+# K of each independent MMA chain of a spread rotation: H100 (kernel_variants/h100-spread-rotation-mma-chains.log), one
+# launch at d 128 2.86 -> 2.73 us (32 rows), at d 256 6.14 -> 5.28 (7.18 -> 5.38 at 128 rows); 32 lost to one chain.
+SPREAD_BLOCK_K = 64
 SPREAD = 0  # merge_and_unrotate's rows_per_program for the spread merge
 
 
@@ -183,42 +186,48 @@ def _merge_splits_kernel(acc_ptr, ml_ptr, NUM_SPLITS: tl.constexpr, S_PAD: tl.co
 @triton.jit(do_not_specialize=["num_rows", "num_q_heads", "stride_xt", "stride_xh"])
 def _spread_rotation_kernel(x_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stride_xt, stride_xh, stride_ot, stride_oh,
                             scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_J: tl.constexpr, TRANSPOSE: tl.constexpr, INTERPRET: tl.constexpr):
+                            BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                            INTERPRET: tl.constexpr):
     """out[row, columns] = x[row] @ M[:, columns] * scale, M = R (TRANSPOSE: R.T), rows = (token, q head) at x_ptr +
     token * stride_xt + head * stride_xh, cast to out's dtype: a block of rows and of output columns a program,
-    each operand one load (one round trip to L2, not one per K step)."""
+    each operand one load (one round trip to L2, not one per K step). The product is D_PAD / BLOCK_K independent
+    MMA chains of BLOCK_K, summed in order: one chain over the whole K is a latency chain."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     token = rows // num_q_heads
     head = rows % num_q_heads
-    k = tl.arange(0, D_PAD)
+    x_row = x_ptr + (token.to(tl.int64) * stride_xt + head * stride_xh)[:, None]
     j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
-    x = tl.load(x_ptr + (token.to(tl.int64) * stride_xt + head * stride_xh)[:, None] + k[None, :],
-                mask=row_ok[:, None] & (k[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-    m_ok = (k[:, None] < HEAD_DIM) & (j[None, :] < HEAD_DIM)
-    if TRANSPOSE:
-        m = tl.load(rot_ptr + j[None, :] * HEAD_DIM + k[:, None], mask=m_ok, other=0.0)
-    else:
-        m = tl.load(rot_ptr + k[:, None] * HEAD_DIM + j[None, :], mask=m_ok, other=0.0)
-    if INTERPRET:  # NumPy's matmul rounds a row by where it sits in the tile; a row's own sum does not
-        acc = tl.sum(x[:, :, None] * m[None, :, :], axis=1)
-    else:
-        acc = tl.dot(x, m, input_precision="tf32x3")
+    acc = tl.zeros((BLOCK_R, BLOCK_J), tl.float32)
+    zero = acc + scale * 0.0  # a zero Triton cannot fold: dot(a, b, 0) + acc would become one chain again
+    for k0 in tl.static_range(0, D_PAD, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + k[None, :], mask=row_ok[:, None] & (k[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+        m_ok = (k[:, None] < HEAD_DIM) & (j[None, :] < HEAD_DIM)
+        if TRANSPOSE:
+            m = tl.load(rot_ptr + j[None, :] * HEAD_DIM + k[:, None], mask=m_ok, other=0.0)
+        else:
+            m = tl.load(rot_ptr + k[:, None] * HEAD_DIM + j[None, :], mask=m_ok, other=0.0)
+        if INTERPRET:  # NumPy's matmul rounds a row by where it sits in the tile; a row's own sum does not
+            acc += tl.sum(x[:, :, None] * m[None, :, :], axis=1)
+        else:
+            acc += tl.dot(x, m, zero, input_precision="tf32x3")
     out = round_to(acc * scale, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + j[None, :], out,
              mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
 
 
 def _spread_rotation(x: torch.Tensor, out: torch.Tensor, rotation: torch.Tensor, stride_xt: int, stride_xh: int,
-                     scale: float, transpose: bool) -> None:
-    """out (tokens, q_heads, head_dim) = the rows of x (token, q head strides) @ R (or R.T) * scale."""
+                     scale: float, transpose: bool, block_k: int | None = None) -> None:
+    """out (tokens, q_heads, head_dim) = the rows of x (token, q head strides) @ R (or R.T) * scale; block_k: the
+    K of each independent MMA chain (None: SPREAD_BLOCK_K)."""
     tokens, q_heads, head_dim = out.shape
     d_pad = next_pow2(head_dim)
     block_j = max(16, 4096 // d_pad)  # a program's block of R: 4k elements
     _spread_rotation_kernel[(triton.cdiv(tokens * q_heads, SPREAD_BLOCK_R), triton.cdiv(head_dim, block_j))](
         x, out, rotation, tokens * q_heads, q_heads, stride_xt, stride_xh, out.stride(0), out.stride(1), float(scale),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=SPREAD_BLOCK_R, BLOCK_J=block_j, TRANSPOSE=transpose,
-        INTERPRET=INTERPRETED, num_warps=4)
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=SPREAD_BLOCK_R, BLOCK_J=block_j,
+        BLOCK_K=min(d_pad, block_k or SPREAD_BLOCK_K), TRANSPOSE=transpose, INTERPRET=INTERPRETED, num_warps=4)
 
 
 class RotatedQuery(NamedTuple):
