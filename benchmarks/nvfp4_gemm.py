@@ -3,12 +3,10 @@ dense matmul of the same weight's values.
 
 Paths, each over the same NVFP4 weight (a random bf16 weight quantized by the 4/6 rule) and the same activations:
 - dense: torch's matmul of the exact NVFP4 values stored as bf16 (what a bf16 checkpoint of them costs);
-- marlin: vLLM's Marlin FP4 kernel alone (quartet2's marlin path with its other GEMMs off);
-- mma: quartet2.marlin_mma, the weight decoded from Marlin's layout in registers for tl.dot (up to its MAX_TOKENS);
+- marlin: vLLM's Marlin FP4 kernel alone (quartet2's marlin path with its dense GEMM off);
 - decode+cublas: the weight decoded from Marlin's layout into bf16, then cuBLAS (quartet2.marlin_dequant), every
   token count;
-- policy: what quartet2's marlin path runs (mma up to its MAX_TOKENS, Marlin below DENSE_MIN_TOKENS tokens,
-  decode+cublas from there);
+- policy: what quartet2's marlin path runs (Marlin below DENSE_MIN_TOKENS tokens, decode+cublas from there);
 - decode: the decoder alone (its row: the time to write the bf16 weight, GB/s of codes read + bf16 written).
 Times: CUDA-graph replay, median (benchmarks.common.time_ms). A layer's rows repeat one weight, which stays in L2 if
 it fits (50 MB on an H100): small layers at few tokens read as faster than a model's pass over them. The block rows
@@ -34,25 +32,18 @@ MODELS = {
     "llama3-8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],
 }
 TOKENS = "1,16,64,128,256,512,1024,2048,4096,8192"
-BLOCK_TOKENS = (1, 2, 4, 8, 16, 32, 64)
-PATHS = ("dense", "marlin", "mma", "decode+cublas", "policy")
+BLOCK_TOKENS = (1, 2, 4, 8, 16)
+PATHS = ("dense", "marlin", "decode+cublas", "policy")
 COPIES = 4  # a block's weights, COPIES times: more than an H100's or H200's L2 even for CloverLM's NVFP4 block
 
 
 def paths(m) -> dict:
     """path -> fn(x) over the prepared Marlin weight m (the dense path apart)."""
-    from turboquant_vllm.quant.quartet2 import marlin, marlin_mma
+    from turboquant_vllm.quant.quartet2 import marlin
 
-    return {"marlin": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0, mma_max_tokens=0)),
-            "mma": lambda x: marlin.marlin_linear(x, m._replace(mma_max_tokens=marlin_mma.MAX_TOKENS)),
-            "decode+cublas": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=1, mma_max_tokens=0)),
+    return {"marlin": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0)),
+            "decode+cublas": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=1)),
             "policy": lambda x: marlin.marlin_linear(x, m)}
-
-
-def usable_paths(tokens: int) -> tuple[str, ...]:
-    from turboquant_vllm.quant.quartet2 import marlin_mma
-
-    return tuple(p for p in PATHS if p != "mma" or tokens <= marlin_mma.MAX_TOKENS)
 
 
 def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
@@ -72,7 +63,7 @@ def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
         x = torch.randn(tokens_, k, generator=gen, device="cuda").to(torch.bfloat16)
         ref = x.double() @ exact.t()
         fns = {"dense": lambda x: torch.nn.functional.linear(x, dense), **paths(m)}
-        for path in usable_paths(tokens_):
+        for path in PATHS:
             y = fns[path](x)
             ms = common.time_ms(lambda x=x, fn=fns[path]: fn(x))
             weight_bytes = 2 * n * k if path == "dense" else nvfp4_bytes
@@ -101,7 +92,7 @@ def block(model: str, gen: torch.Generator, tokens: tuple[int, ...]) -> list[dic
     rows = []
     for tokens_ in tokens:
         xs = [torch.randn(tokens_, k, generator=gen, device="cuda").to(torch.bfloat16) for k, _ in shapes]
-        for path in usable_paths(tokens_):
+        for path in PATHS:
             def step(path=path):
                 for layer in copies:
                     for x, (fns, dense) in zip(xs, layer):
@@ -128,10 +119,9 @@ def line(r: dict) -> str:
             f"{r['tflops']:.1f} | {r['rel_error']:.2e}{' NaN' if r['nan'] else ''} |")
 
 
-def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens: int, mma_max_tokens: int) -> str:
+def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens: int) -> str:
     out = [f"NVFP4 weight GEMM (W4A16, bf16 activations), {model}'s linear layers (K x N), random weights quantized by "
-           f"the 4/6 rule. policy: mma up to {mma_max_tokens} tokens, Marlin below {dense_min_tokens}, the weight "
-           "decoded for cuBLAS from there. "
+           f"the 4/6 rule. policy: Marlin below {dense_min_tokens} tokens, the weight decoded for cuBLAS from there. "
            "decode rows: the decoder alone (GB/s: codes and scales read + bf16 written). Weight GB/s: the path's "
            "weight bytes (NVFP4: 0.5625 B a weight; dense: 2) / time.", ""]
     if blocks:
@@ -151,8 +141,7 @@ def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens:
     keyed = {(r["K"], r["N"], r["tokens"], r["path"]): r["time_ms"] for r in rows}
     for (k, n, m, path), ms in keyed.items():
         if path == "dense":
-            out.append(f"| {k}x{n} | {m} | " + " | ".join(f"{ms / keyed[(k, n, m, p)]:.2f}x" if (k, n, m, p) in keyed
-                                                           else "-" for p in PATHS[1:]) + " |")
+            out.append(f"| {k}x{n} | {m} | " + " | ".join(f"{ms / keyed[(k, n, m, p)]:.2f}x" for p in PATHS[1:]) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -175,10 +164,9 @@ def main(argv: list[str] | None = None) -> None:
         rows += run(k, n, [int(t) for t in args.tokens.split(",")], gen)
         torch.cuda.empty_cache()
     stem = common.stem_of(args.out) if args.out else common.result_stem(NAME, args.model)
-    thresholds = {"dense_min_tokens": marlin.dense_threshold(), "mma_max_tokens": marlin.mma_threshold()}
-    doc = {"rows": rows, "blocks": blocks, "meta": {"model": args.model, **thresholds}}
+    doc = {"rows": rows, "blocks": blocks, "meta": {"model": args.model, "dense_min_tokens": marlin.dense_threshold()}}
     common.write_json(common.with_ext(stem, ".json"), doc, meta)
-    common.write_markdown(common.with_ext(stem, ".md"), markdown(rows, blocks, args.model, *thresholds.values()),
+    common.write_markdown(common.with_ext(stem, ".md"), markdown(rows, blocks, args.model, marlin.dense_threshold()),
                           meta)
     print(f"wrote {stem}.json / .md", flush=True)
 

@@ -5,38 +5,29 @@ from benchmarks import nvfp4_gemm
 
 def rows():
     out = [dict(K=64, N=128, tokens=0, path="decode", time_ms=0.01, weight_gbps=2000.0)]
-    for tokens, paths in ((16, nvfp4_gemm.PATHS), (1024, [p for p in nvfp4_gemm.PATHS if p != "mma"])):
-        for path, ms in zip(paths, (0.02, 0.04, 0.025, 0.025, 0.01)):
-            out.append(dict(K=64, N=128, tokens=tokens, path=path, time_ms=ms, weight_gbps=1.0, tflops=1.0, nan=False,
-                            rel_error=1e-3))
+    for path, ms in zip(nvfp4_gemm.PATHS, (0.02, 0.04, 0.025, 0.025)):
+        out.append(dict(K=64, N=128, tokens=1024, path=path, time_ms=ms, weight_gbps=1.0, tflops=1.0, nan=False,
+                        rel_error=1e-3))
     return out
 
 
 def blocks():
     return [dict(block="cloverlm-4b", tokens=1, path=path, time_ms=ms, weight_gbps=gbps)
-            for path, ms, gbps in zip(nvfp4_gemm.PATHS, (0.0792, 0.0589, 0.0301, 0.2499, 0.0301),
-                                      (3407, 1288, 2521, 304, 2521))]
+            for path, ms, gbps in zip(nvfp4_gemm.PATHS, (0.0792, 0.0589, 0.2499, 0.0590), (3407, 1288, 304, 1286))]
 
 
 def test_markdown_has_every_row_and_the_speed_against_dense():
-    md = nvfp4_gemm.markdown(rows(), blocks(), "cloverlm-4b", 512, 64)
+    md = nvfp4_gemm.markdown(rows(), blocks(), "cloverlm-4b", 512)
     assert "| 64x128 | - | decode | 0.0100 | 2000 | - | - |" in md
     assert "| 64x128 | 1024 | marlin | 0.0400 |" in md
-    assert "| 64x128 | 16 | 0.50x | 0.80x | 0.80x | 2.00x |" in md
-    assert "| 64x128 | 1024 | 0.50x | - | 0.80x | 0.80x |" in md  # no mma row past its tokens
-    assert "mma up to 64 tokens, Marlin below 512" in md
-    assert "| 1 | marlin | 58.9 | 1288 |" in md and "| 1 | mma | 30.1 | 2521 |" in md
-    assert "read from HBM (4 copies" in md
+    assert "| 64x128 | 1024 | 0.50x | 0.80x | 0.80x |" in md
+    assert "Marlin below 512 tokens" in md
+    assert "| 1 | marlin | 58.9 | 1288 |" in md and "read from HBM (4 copies" in md
 
 
 def test_markdown_without_block_rows_has_no_block_table():
-    md = nvfp4_gemm.markdown(rows(), [], "cloverlm-4b", 512, 64)
+    md = nvfp4_gemm.markdown(rows(), [], "cloverlm-4b", 512)
     assert "µs / block" not in md and "| 64x128 | 1024 | marlin | 0.0400 |" in md
-
-
-def test_mma_rows_only_up_to_its_tokens():
-    assert "mma" in nvfp4_gemm.usable_paths(64) and "mma" not in nvfp4_gemm.usable_paths(65)
-    assert nvfp4_gemm.usable_paths(65) == tuple(p for p in nvfp4_gemm.PATHS if p != "mma")
 
 
 def test_every_model_has_four_layers():

@@ -20,13 +20,12 @@ import pytest
 import torch
 
 from tests.quant.quartet2.layers import on_the_fly_layer
-from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_dequant, marlin_mma, method, nvfp4
+from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_dequant, method, nvfp4
 
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (1000, 1040)]  # (N, K); the last: padded to Marlin's tiles
-# up to 64: marlin_mma; 300: Marlin; 700: past marlin_dequant.DENSE_MIN_TOKENS, the weight decoded for one cuBLAS call
-MS = [1, 7, 64, 300, 700]
+MS = [1, 7, 64, 300, 700]  # 700: past marlin_dequant.DENSE_MIN_TOKENS, the weight decoded for one cuBLAS call
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -91,23 +90,6 @@ def test_marlin_is_w4a16(shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_the_few_token_gemm_is_w4a16_at_every_tile_of_rows(shape, dtype):
-    """marlin_mma over the real repack, with the byte-permute decode: row counts across its 16 / 32 / 64-row tiles and
-    split counts (fewer splits as rows grow), output poisoned first; Marlin itself within the same bound."""
-    n, k = shape
-    w, m = quantized(n, k), prepared(n, k, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(n * 3 + k)
-    for rows in (1, 2, 3, 5, 13, 16, 17, 31, 33, 50, 64):
-        x = torch.randn(rows, k, generator=gen, device="cuda").to(dtype)
-        y = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
-        y.copy_(marlin_mma.mma_linear(x, m.weight, m.weight_scale, n, k, m.dense_alpha))
-        assert not y.isnan().any()
-        assert_w4a16(y, x, w)
-        assert_w4a16(marlin.marlin_linear(x, m._replace(mma_max_tokens=0)), x, w)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_decoder_reads_the_real_repack_exactly(shape, dtype):
     """gptq_marlin_repack's layout, read back by the probed tables (Triton and PyTorch): code x scale x vLLM's lift,
     bit for bit; scratch past the weight untouched."""
@@ -165,7 +147,7 @@ def test_groups_below_marlins_scale_range_run_as_zeros():
     assert (marlin.marlin_linear(x[:5], m) == 0).all() and (marlin.marlin_linear(x, m) == 0).all()  # both GEMMs
 
 
-@pytest.mark.parametrize("rows", [7, 300, 600], ids=["mma", "marlin", "decoded"])
+@pytest.mark.parametrize("rows", [7, 600], ids=["marlin", "decoded"])
 @pytest.mark.parametrize("fused", [False, True], ids=["one-scale", "per-part"])
 def test_cuda_graph_replays_the_eager_output(fused, rows):
     w = fused_weight() if fused else quantized(4096, 4096)

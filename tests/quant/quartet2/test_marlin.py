@@ -118,7 +118,6 @@ def marlin_on_cpu(monkeypatch):
 
     monkeypatch.setattr(marlin_utils_fp4, "prepare_fp4_layer_for_marlin", prepare)
     monkeypatch.setattr(marlin_utils_fp4, "apply_fp4_marlin_linear", apply)
-    monkeypatch.setenv(marlin.MMA_ENV, "0")  # the stand-in keeps the pre-Marlin layout, which marlin_mma cannot read
     monkeypatch.setattr(config, "gpu", lambda: (90, True, False))
     monkeypatch.delenv(method.PATH_ENV, raising=False)
     return seen

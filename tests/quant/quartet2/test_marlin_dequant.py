@@ -88,7 +88,7 @@ def test_the_dense_gemm_is_w4a16(marlin_layout_on_cpu, fused):
                                torch.cat([p.tensor_scale.expand(p.packed.shape[0]) for p in parts]))
     else:
         w = weight(192, 160, 3)
-    m = marlin.prepare(w, torch.bfloat16)._replace(dense_min_tokens=1, mma_max_tokens=0)  # every call decodes
+    m = marlin.prepare(w, torch.bfloat16)._replace(dense_min_tokens=1)  # every call decodes (on the GPU: 512 on)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 9, 160, generator=gen).to(torch.bfloat16).to(DEVICE)
     y = marlin.marlin_linear(x, m)

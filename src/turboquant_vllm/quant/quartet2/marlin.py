@@ -34,12 +34,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import marlin_dequant, marlin_mma, nvfp4
+from . import marlin_dequant, nvfp4
 from .linear import NVFP4Weight
 
 DTYPES = (torch.bfloat16, torch.float16)
 DENSE_ENV = "TURBOQUANT_QUARTET2_DENSE_MIN_TOKENS"  # tokens from which a GEMM decodes the weight for cuBLAS; 0: never
-MMA_ENV = "TURBOQUANT_QUARTET2_MMA_MAX_TOKENS"  # tokens up to which a GEMM runs marlin_mma instead of Marlin; 0: never
 
 
 class VllmNVFP4(NamedTuple):
@@ -101,7 +100,6 @@ class MarlinNVFP4(NamedTuple):
     dtype: torch.dtype  # the activations' dtype the scales were prepared for
     dense_alpha: float  # the decoded weight's matmul scale (marlin_dequant): the tensor scale / vLLM's scale lift
     dense_min_tokens: int  # from this many tokens on, decode + cuBLAS instead of Marlin (0: never)
-    mma_max_tokens: int  # up to this many tokens, marlin_mma instead of Marlin (0: never)
 
 
 def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
@@ -121,23 +119,14 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
     marlin_utils_fp4.prepare_fp4_layer_for_marlin(stub)
     lift = scale_lift(v.weight_scale, dtype)
     n, k = stub.output_size_per_partition, stub.input_size_per_partition
-    dense_min_tokens, mma_max_tokens = dense_threshold(), mma_threshold()
+    dense_min_tokens = dense_threshold()
     if dense_min_tokens:
         marlin_dequant.reserve_scratch(n * k, v.weight.device, dtype)
-    if (dense_min_tokens or mma_max_tokens) and v.weight.is_cuda:
-        # probed now, at load: never inside a CUDA-graph capture (the probe synchronizes)
-        tables = marlin_dequant.tables(v.weight.device, dtype)
-        if mma_max_tokens and not marlin_mma.layout_matches(tables):
-            raise RuntimeError(f"this vLLM's Marlin NVFP4 layout is not the one quartet2's few-token GEMM reads: set "
-                               f"{MMA_ENV}=0 to run Marlin at every token count")
-    if mma_max_tokens:
-        marlin_mma.reserve_scratch(stub.weight_scale.shape[1], k, v.weight.device)
-    m = MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, stub.workspace,
-                    v.channel_scale, n, k, dtype, float(v.weight_global_scale) / lift, dense_min_tokens, mma_max_tokens)
-    if mma_max_tokens and v.weight.is_cuda:  # compiled now, at load: never inside a request
-        marlin_mma.warm(m.weight, m.weight_scale, n, k, dtype, mma_max_tokens)
+        if v.weight.is_cuda:  # probed now, at load: never inside a CUDA-graph capture (the probe synchronizes)
+            marlin_dequant.tables(v.weight.device, dtype)
     _register_op()
-    return m
+    return MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, stub.workspace,
+                       v.channel_scale, n, k, dtype, float(v.weight_global_scale) / lift, dense_min_tokens)
 
 
 def dense_threshold() -> int:
@@ -149,28 +138,16 @@ def dense_threshold() -> int:
     return int(value)
 
 
-def mma_threshold() -> int:
-    """Tokens up to which the marlin path's GEMMs run marlin_mma (MMA_ENV, default marlin_mma.MAX_TOKENS; 0 turns it
-    off)."""
-    value = os.environ.get(MMA_ENV, str(marlin_mma.MAX_TOKENS)).strip()
-    if not value.isdigit() or int(value) > marlin_mma.MAX_TOKENS:
-        raise ValueError(f"{MMA_ENV}={value!r}: give a token count from 0 (always Marlin) to "
-                         f"{marlin_mma.MAX_TOKENS}")
-    return int(value)
-
-
 def marlin_linear(x: torch.Tensor, m: MarlinNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias), W the exact NVFP4 weight, x (..., K) in m.dtype unquantized: W4A16; y in x's dtype. The
-    bias is added outside the kernel (Marlin would want it permuted, and after the per-column ratio). Up to
-    m.mma_max_tokens tokens marlin_mma runs instead, from m.dense_min_tokens on the weight is decoded for cuBLAS
-    (marlin_dequant)."""
+    bias is added outside the kernel (Marlin would want it permuted, and after the per-column ratio). From
+    m.dense_min_tokens tokens on, the weight is decoded for cuBLAS instead (marlin_dequant)."""
     if x.dtype != m.dtype:
         raise ValueError(f"this Marlin NVFP4 weight was prepared for {m.dtype} activations, got {x.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.ops.turboquant_vllm.quartet2_marlin_gemm(x2, m.weight, m.weight_scale, m.weight_global_scale,
                                                         m.workspace, m.size_n, m.size_k, m.dense_alpha,
-                                                        m.dense_min_tokens, m.mma_max_tokens)
-    y = y.reshape(*x.shape[:-1], m.size_n)
+                                                        m.dense_min_tokens).reshape(*x.shape[:-1], m.size_n)
     if m.channel_scale is not None:
         y32 = y.to(torch.float32) * m.channel_scale
         return (y32 if bias is None else y32 + bias.to(torch.float32)).to(x.dtype)
@@ -179,14 +156,11 @@ def marlin_linear(x: torch.Tensor, m: MarlinNVFP4, bias: torch.Tensor | None = N
 
 def _marlin_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
                  workspace: torch.Tensor, size_n: int, size_k: int, dense_alpha: float,
-                 dense_min_tokens: int, mma_max_tokens: int) -> torch.Tensor:
-    """x (M, K) -> (M, N): up to mma_max_tokens tokens marlin_mma, from dense_min_tokens on the weight decoded for one
-    cuBLAS call, Marlin in between. A custom op, so that torch.compile leaves the choice to each call's token count
-    instead of tracing one branch."""
+                 dense_min_tokens: int) -> torch.Tensor:
+    """x (M, K) -> (M, N): Marlin, or from dense_min_tokens tokens on the weight decoded for one cuBLAS call. A custom
+    op, so that torch.compile leaves the choice to each call's token count instead of tracing one branch."""
     from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
 
-    if x.shape[0] <= mma_max_tokens:
-        return marlin_mma.mma_linear(x, weight, weight_scale, size_n, size_k, dense_alpha)
     if dense_min_tokens and x.shape[0] >= dense_min_tokens:
         return marlin_dequant.dense_linear(x, weight, weight_scale, size_n, size_k, dense_alpha)
     return marlin_utils_fp4.apply_fp4_marlin_linear(input=x, weight=weight, weight_scale=weight_scale,
@@ -196,7 +170,7 @@ def _marlin_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 def _marlin_gemm_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
                       workspace: torch.Tensor, size_n: int, size_k: int, dense_alpha: float,
-                      dense_min_tokens: int, mma_max_tokens: int) -> torch.Tensor:
+                      dense_min_tokens: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], size_n))
 
 

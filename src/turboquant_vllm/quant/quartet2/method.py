@@ -34,7 +34,7 @@ class Quartet2LinearMethod(LinearMethodBase):
     checkpoint: codes, blocked scales and one tensor scale per fused part, loaded as they are and unblocked once.
     Then kept as they are (emulate), or put once into the layout of Marlin (marlin) or of the FP4 GEMM (w4a4)."""
 
-    _gemm_logged = False  # the GEMM thresholds' log line, once per process
+    _dense_logged = False  # the decoded-weight GEMM's log line, once per process
 
     def __init__(self, config: Quartet2Config) -> None:
         self.config = config
@@ -117,23 +117,21 @@ class Quartet2LinearMethod(LinearMethodBase):
                            "(E4M3 subnormals) and run as zeros (by the 4/6 rule, groups whose largest weight is "
                            "below 6.2e-5 of the tensor's)", flushed, w.scales.numel())
         m = marlin.prepare(w, dtype)
-        if not Quartet2LinearMethod._gemm_logged:
-            Quartet2LinearMethod._gemm_logged = True
-            logger.info("quartet2: GEMMs of up to %d tokens run on tensor cores straight from Marlin's layout "
-                        "(%s=0: Marlin); from %d tokens on the weight is decoded for cuBLAS (one buffer of the largest "
-                        "layer's size; %s=0 keeps Marlin for all)", m.mma_max_tokens, marlin.MMA_ENV,
-                        m.dense_min_tokens, marlin.DENSE_ENV)
+        if m.dense_min_tokens and not Quartet2LinearMethod._dense_logged:
+            Quartet2LinearMethod._dense_logged = True
+            logger.info("quartet2: GEMMs of %d tokens and more decode the weight for cuBLAS (one buffer of the largest "
+                        "layer's size; %s=0 keeps Marlin for all)", m.dense_min_tokens, marlin.DENSE_ENV)
         _keep(layer, marlin_weight=m.weight, marlin_weight_scale=m.weight_scale,
               marlin_global_scale=m.weight_global_scale, marlin_channel_scale=m.channel_scale)
         layer.marlin_workspace = m.workspace  # scratch, as vLLM's own Marlin layers keep it
         layer.quartet2_marlin_shape = (m.size_n, m.size_k)
-        layer.quartet2_marlin_gemm = (m.dense_alpha, m.dense_min_tokens, m.mma_max_tokens)
+        layer.quartet2_marlin_dense = (m.dense_alpha, m.dense_min_tokens)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.path == "marlin":
             m = marlin.MarlinNVFP4(layer.marlin_weight, layer.marlin_weight_scale, layer.marlin_global_scale,
                                    layer.marlin_workspace, layer.marlin_channel_scale, *layer.quartet2_marlin_shape,
-                                   layer.quartet2_dtype, *layer.quartet2_marlin_gemm)
+                                   layer.quartet2_dtype, *layer.quartet2_marlin_dense)
             return marlin.marlin_linear(x, m, bias)
         if self.config.path == "w4a4":
             p = w4a4.W4A4Weight(layer.w4a4_weight, layer.w4a4_weight_scale, layer.w4a4_alpha,
