@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     layout = CacheLayout(get_preset(args.preset), 128, 8, 16)  # the benchmark's shape: 32 q / 8 KV heads, d 128
     c = kernel_constants(layout, "cpu")
     consts = dict(NUM_Q_HEADS=8 * args.group, GROUP=args.group, NUM_SPLITS=2, USE_WINDOW=False, USE_SOFTCAP=False,
-                  CALIBRATED=False,
-                  UPCAST=False,
+                  CALIBRATED=False, UPCAST=False,
                   K_ASM=c.key_mma_asm, V_ASM=c.value_lookup_asm, **page_constants(layout))
     options = launch_options(args, layout)
     block_n = options.pop("block_n")

@@ -40,8 +40,8 @@ def configs(specs: list[str]) -> dict[str, dict]:
     for spec in specs:
         name, values = spec.split("=")
         warps, block_n, regs, *rest = map(int, values.split(","))
-        stages, splits, min_split, merge_rows, head_split = rest + [3, 0, 0, 0, 0][len(rest):]  # 3 stages, the
-        # rest the policy's
+        # 3 stages unless given; 0 (the policy's) for the rest
+        stages, splits, min_split, merge_rows, head_split = rest + [3, 0, 0, 0, 0][len(rest):]
         out[name] = {"num_warps": warps, "block_n": block_n, "max_registers": regs, "num_stages": stages,
                      **({"num_splits": splits} if splits else {}),
                      **({"min_split_tokens": min_split} if min_split else {}),
