@@ -3,10 +3,13 @@ dense matmul of the same weight's values.
 
 Paths, each over the same NVFP4 weight (a random bf16 weight quantized by the 4/6 rule) and the same activations:
 - dense: torch's matmul of the exact NVFP4 values stored as bf16 (what a bf16 checkpoint of them costs);
-- marlin: vLLM's Marlin FP4 kernel alone (quartet2's marlin path with its dense GEMM off);
+- marlin: vLLM's Marlin FP4 kernel alone (quartet2's marlin path with its other GEMMs off);
+- mma: the native few-token kernel (quartet2.marlin_mma, 1-8 tokens, over Marlin's layout; rows only where it is
+  built);
 - decode+cublas: the weight decoded from Marlin's layout into bf16, then cuBLAS (quartet2.marlin_dequant), every
   token count;
-- policy: what quartet2's marlin path runs (Marlin below DENSE_MIN_TOKENS tokens, decode+cublas from there);
+- policy: what quartet2's marlin path runs (mma up to 8 tokens where built, Marlin below DENSE_MIN_TOKENS tokens,
+  decode+cublas from there);
 - decode: the decoder alone (its row: the time to write the bf16 weight, GB/s of codes read + bf16 written).
 Times: CUDA-graph replay, median (benchmarks.common.time_ms). A layer's rows repeat one weight, which stays in L2 if
 it fits (50 MB on an H100): small layers at few tokens read as faster than a model's pass over them. The block rows
@@ -33,7 +36,7 @@ MODELS = {
 }
 TOKENS = "1,16,64,128,256,512,1024,2048,4096,8192"
 BLOCK_TOKENS = (1, 2, 4, 8, 16)
-PATHS = ("dense", "marlin", "decode+cublas", "policy")
+PATHS = ("dense", "marlin", "mma", "decode+cublas", "policy")
 COPIES = 4  # a block's weights, COPIES times: more than an H100's or H200's L2 even for CloverLM's NVFP4 block
 
 
@@ -41,9 +44,18 @@ def paths(m) -> dict:
     """path -> fn(x) over the prepared Marlin weight m (the dense path apart)."""
     from turboquant_vllm.quant.quartet2 import marlin
 
-    return {"marlin": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0)),
-            "decode+cublas": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=1)),
-            "policy": lambda x: marlin.marlin_linear(x, m)}
+    fns = {"marlin": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0, mma_max_tokens=0)),
+           "decode+cublas": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=1, mma_max_tokens=0)),
+           "policy": lambda x: marlin.marlin_linear(x, m)}
+    if m.mma_max_tokens:
+        fns["mma"] = lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0))
+    return fns
+
+
+def applies(fns: dict, path: str, tokens: int) -> bool:
+    from turboquant_vllm.quant.quartet2 import marlin_mma
+
+    return path == "dense" or (path in fns and (path != "mma" or tokens <= marlin_mma.MAX_TOKENS))
 
 
 def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
@@ -63,7 +75,7 @@ def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
         x = torch.randn(tokens_, k, generator=gen, device="cuda").to(torch.bfloat16)
         ref = x.double() @ exact.t()
         fns = {"dense": lambda x: torch.nn.functional.linear(x, dense), **paths(m)}
-        for path in PATHS:
+        for path in [p for p in PATHS if applies(fns, p, tokens_)]:
             y = fns[path](x)
             ms = common.time_ms(lambda x=x, fn=fns[path]: fn(x))
             weight_bytes = 2 * n * k if path == "dense" else nvfp4_bytes
@@ -92,7 +104,7 @@ def block(model: str, gen: torch.Generator, tokens: tuple[int, ...]) -> list[dic
     rows = []
     for tokens_ in tokens:
         xs = [torch.randn(tokens_, k, generator=gen, device="cuda").to(torch.bfloat16) for k, _ in shapes]
-        for path in PATHS:
+        for path in [p for p in PATHS if applies(copies[0][0][0], p, tokens_)]:
             def step(path=path):
                 for layer in copies:
                     for x, (fns, dense) in zip(xs, layer):
@@ -121,7 +133,8 @@ def line(r: dict) -> str:
 
 def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens: int) -> str:
     out = [f"NVFP4 weight GEMM (W4A16, bf16 activations), {model}'s linear layers (K x N), random weights quantized by "
-           f"the 4/6 rule. policy: Marlin below {dense_min_tokens} tokens, the weight decoded for cuBLAS from there. "
+           f"the 4/6 rule. policy: the native few-token kernel (mma) up to 8 tokens where built, Marlin below "
+           f"{dense_min_tokens} tokens, the weight decoded for cuBLAS from there. "
            "decode rows: the decoder alone (GB/s: codes and scales read + bf16 written). Weight GB/s: the path's "
            "weight bytes (NVFP4: 0.5625 B a weight; dense: 2) / time.", ""]
     if blocks:
@@ -141,7 +154,8 @@ def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens:
     keyed = {(r["K"], r["N"], r["tokens"], r["path"]): r["time_ms"] for r in rows}
     for (k, n, m, path), ms in keyed.items():
         if path == "dense":
-            out.append(f"| {k}x{n} | {m} | " + " | ".join(f"{ms / keyed[(k, n, m, p)]:.2f}x" for p in PATHS[1:]) + " |")
+            out.append(f"| {k}x{n} | {m} | " + " | ".join(f"{ms / keyed[(k, n, m, p)]:.2f}x" if (k, n, m, p) in keyed
+                                                          else "-" for p in PATHS[1:]) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -34,10 +34,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import marlin_dequant, nvfp4
+from . import marlin_dequant, marlin_mma, nvfp4
 from .linear import NVFP4Weight
 
 DTYPES = (torch.bfloat16, torch.float16)
+MMA_ENV = "TURBOQUANT_QUARTET2_MMA"
 DENSE_ENV = "TURBOQUANT_QUARTET2_DENSE_MIN_TOKENS"  # tokens from which a GEMM decodes the weight for cuBLAS; 0: never
 
 
@@ -100,6 +101,7 @@ class MarlinNVFP4(NamedTuple):
     dtype: torch.dtype  # the activations' dtype the scales were prepared for
     dense_alpha: float  # the decoded weight's matmul scale (marlin_dequant): the tensor scale / vLLM's scale lift
     dense_min_tokens: int  # from this many tokens on, decode + cuBLAS instead of Marlin (0: never)
+    mma_max_tokens: int = 0  # up to this many tokens, the native few-token kernel instead of Marlin (0: never)
 
 
 def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
@@ -124,9 +126,21 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
         marlin_dequant.reserve_scratch(n * k, v.weight.device, dtype)
         if v.weight.is_cuda:  # probed now, at load: never inside a CUDA-graph capture (the probe synchronizes)
             marlin_dequant.tables(v.weight.device, dtype)
+    mma_max_tokens = marlin_mma.MAX_TOKENS if mma_enabled() and marlin_mma.supported(v.weight.device) is None else 0
+    if mma_max_tokens:
+        marlin_mma.reserve_workspace(stub.weight_scale.shape[1], k, v.weight.device)
     _register_op()
     return MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, stub.workspace,
-                       v.channel_scale, n, k, dtype, float(v.weight_global_scale) / lift, dense_min_tokens)
+                       v.channel_scale, n, k, dtype, float(v.weight_global_scale) / lift, dense_min_tokens,
+                       mma_max_tokens)
+
+
+def mma_enabled() -> bool:
+    """MMA_ENV (default 1): 0 keeps Marlin for few tokens even where the native kernel is built."""
+    value = os.environ.get(MMA_ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{MMA_ENV}={value!r}: give 1 (the native few-token kernel where built) or 0 (Marlin)")
+    return value == "1"
 
 
 def dense_threshold() -> int:
@@ -147,7 +161,8 @@ def marlin_linear(x: torch.Tensor, m: MarlinNVFP4, bias: torch.Tensor | None = N
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.ops.turboquant_vllm.quartet2_marlin_gemm(x2, m.weight, m.weight_scale, m.weight_global_scale,
                                                         m.workspace, m.size_n, m.size_k, m.dense_alpha,
-                                                        m.dense_min_tokens).reshape(*x.shape[:-1], m.size_n)
+                                                        m.dense_min_tokens, m.mma_max_tokens
+                                                        ).reshape(*x.shape[:-1], m.size_n)
     if m.channel_scale is not None:
         y32 = y.to(torch.float32) * m.channel_scale
         return (y32 if bias is None else y32 + bias.to(torch.float32)).to(x.dtype)
@@ -156,11 +171,14 @@ def marlin_linear(x: torch.Tensor, m: MarlinNVFP4, bias: torch.Tensor | None = N
 
 def _marlin_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
                  workspace: torch.Tensor, size_n: int, size_k: int, dense_alpha: float,
-                 dense_min_tokens: int) -> torch.Tensor:
-    """x (M, K) -> (M, N): Marlin, or from dense_min_tokens tokens on the weight decoded for one cuBLAS call. A custom
-    op, so that torch.compile leaves the choice to each call's token count instead of tracing one branch."""
+                 dense_min_tokens: int, mma_max_tokens: int) -> torch.Tensor:
+    """x (M, K) -> (M, N): up to mma_max_tokens tokens the native few-token kernel, from dense_min_tokens on the
+    weight decoded for one cuBLAS call, Marlin between. A custom op, so that torch.compile leaves the choice to each
+    call's token count instead of tracing one branch."""
     from vllm.model_executor.layers.quantization.utils import marlin_utils_fp4
 
+    if 0 < x.shape[0] <= mma_max_tokens:
+        return marlin_mma.gemm(x, weight, weight_scale, size_n, size_k, dense_alpha)
     if dense_min_tokens and x.shape[0] >= dense_min_tokens:
         return marlin_dequant.dense_linear(x, weight, weight_scale, size_n, size_k, dense_alpha)
     return marlin_utils_fp4.apply_fp4_marlin_linear(input=x, weight=weight, weight_scale=weight_scale,
@@ -170,7 +188,7 @@ def _marlin_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 def _marlin_gemm_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
                       workspace: torch.Tensor, size_n: int, size_k: int, dense_alpha: float,
-                      dense_min_tokens: int) -> torch.Tensor:
+                      dense_min_tokens: int, mma_max_tokens: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], size_n))
 
 

@@ -12,7 +12,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import checkpoint, marlin, nvfp4, w4a4
+from . import checkpoint, marlin, marlin_mma, nvfp4, w4a4
 from .config import NAME, PATH_ENV, PATHS, Quartet2Config, register  # noqa: F401 (this module's names before)
 from .linear import NVFP4Weight, emulated_linear, quantize_parts
 
@@ -117,15 +117,23 @@ class Quartet2LinearMethod(LinearMethodBase):
                            "(E4M3 subnormals) and run as zeros (by the 4/6 rule, groups whose largest weight is "
                            "below 6.2e-5 of the tensor's)", flushed, w.scales.numel())
         m = marlin.prepare(w, dtype)
-        if m.dense_min_tokens and not Quartet2LinearMethod._dense_logged:
+        if not Quartet2LinearMethod._dense_logged:
             Quartet2LinearMethod._dense_logged = True
-            logger.info("quartet2: GEMMs of %d tokens and more decode the weight for cuBLAS (one buffer of the largest "
-                        "layer's size; %s=0 keeps Marlin for all)", m.dense_min_tokens, marlin.DENSE_ENV)
+            if m.dense_min_tokens:
+                logger.info("quartet2: GEMMs of %d tokens and more decode the weight for cuBLAS (one buffer of the "
+                            "largest layer's size; %s=0 keeps Marlin for all)", m.dense_min_tokens, marlin.DENSE_ENV)
+            if m.mma_max_tokens:
+                logger.info("quartet2: GEMMs of 1-%d tokens run the native few-token kernel (%s; %s=0 keeps Marlin)",
+                            m.mma_max_tokens, marlin_mma.library_path(), marlin.MMA_ENV)
+            else:
+                why = (f"off ({marlin.MMA_ENV}=0)" if not marlin.mma_enabled()
+                       else marlin_mma.supported(w.packed.device))
+                logger.info("quartet2: GEMMs of few tokens run Marlin: the native few-token kernel is %s", why)
         _keep(layer, marlin_weight=m.weight, marlin_weight_scale=m.weight_scale,
               marlin_global_scale=m.weight_global_scale, marlin_channel_scale=m.channel_scale)
         layer.marlin_workspace = m.workspace  # scratch, as vLLM's own Marlin layers keep it
         layer.quartet2_marlin_shape = (m.size_n, m.size_k)
-        layer.quartet2_marlin_dense = (m.dense_alpha, m.dense_min_tokens)
+        layer.quartet2_marlin_dense = (m.dense_alpha, m.dense_min_tokens, m.mma_max_tokens)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.path == "marlin":

@@ -1,0 +1,244 @@
+"""The marlin path's few-token GEMM: a native kernel (marlin_mma.cu) that feeds mma.sync straight from Marlin's NVFP4
+words, for 1 to 8 tokens (batch-1 and small-batch decode), where Marlin itself leaves HBM bandwidth unused.
+
+Each Marlin word is the A fragment of one mma.m16n8k16 once decoded (the weight as A, x as B with the tokens as its
+8 columns), so a lane loads 4 consecutive words and decodes them in registers: no shared memory, no layout change,
+the weight stored once. Decoding is exact (code * scale fits bf16 and fp16), the tensor cores sum in fp32, and the
+order of every sum is fixed (warps, then K splits in split order), so a call's result does not depend on timing.
+
+The kernel is built once by a documented step (nvcc for sm_80 / sm_90; `python -m
+turboquant_vllm.quant.quartet2.marlin_mma build`) into $TURBOQUANT_NATIVE_DIR (default ~/.cache/turboquant-vllm),
+never inside a request; without the library the path runs Marlin for these token counts. `emulate` is its arithmetic
+in plain PyTorch: the same bit operations on the same words, the same sums in the same order (each mma's 16
+products summed exactly and rounded once to fp32, as far as the tensor core's own rounding allows).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .marlin_dequant import TILE_K, TILE_N
+
+MAX_TOKENS = 8  # the mma's n
+WARPS = 4  # a CTA's warps, each every fourth k-tile of the CTA's range
+SOURCE = Path(__file__).with_name("marlin_mma.cu")
+DIR_ENV = "TURBOQUANT_NATIVE_DIR"
+ARCHS = ("80", "90")  # mma.sync m16n8k16 and bf16x2 FMA: Ampere and newer
+CTAS_PER_SM = 3  # what 132-136 registers a thread leave room for: the split policy's target
+
+
+def library_path() -> Path:
+    """Where the built kernel lives: one file per source version."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    root = Path(os.environ.get(DIR_ENV) or Path.home() / ".cache" / "turboquant-vllm")
+    return root / f"marlin_mma-{digest}.so"
+
+
+def nvcc_command(out: Path, nvcc: str = "nvcc") -> list[str]:
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
+    return [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", *gencode, "-o", str(out), str(SOURCE)]
+
+
+def build(nvcc: str | None = None) -> Path:
+    """Compiles marlin_mma.cu into library_path() with nvcc (from $CUDA_HOME/bin or PATH); CUDA 12.x or 13.x."""
+    out = library_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if nvcc is None:
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        nvcc = str(Path(home) / "bin" / "nvcc") if home else "nvcc"
+    tmp = out.with_suffix(".tmp.so")
+    subprocess.run(nvcc_command(tmp, nvcc), check=True)
+    tmp.replace(out)
+    return out
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None if it has not been built (the path then runs Marlin for few tokens)."""
+    path = library_path()
+    if not path.exists():
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.tq_marlin_mma.restype = ctypes.c_int
+    lib.tq_marlin_mma.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int,
+                                                                                ctypes.c_void_p]
+    return lib
+
+
+def supported(device: torch.device) -> str | None:
+    """None if the kernel can run on `device`, else why not: "not ..." (one line)."""
+    if device.type != "cuda":
+        return f"not for a {device.type} device"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "not for GPUs below sm_80"
+    if load() is None:
+        return (f"not built (python -m turboquant_vllm.quant.quartet2.marlin_mma build: needs nvcc; looked for "
+                f"{library_path()})")
+    return None
+
+
+def split_plan(padded_n: int, k: int, sms: int) -> tuple[int, int]:
+    """(splits, k-tiles a split) for a layer: about CTAS_PER_SM CTAs an SM, each at least 2 k-tiles a warp."""
+    n_tiles, k_tiles = padded_n // TILE_N, k // TILE_K
+    splits = max(1, min(-(-CTAS_PER_SM * sms // n_tiles), k_tiles // (2 * WARPS)))
+    per = -(-k_tiles // splits)
+    return -(-k_tiles // per), per
+
+
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _cuda(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def reserve_workspace(padded_n: int, k: int, device: torch.device) -> None:
+    """The split partials (fp32) and the n-tiles' counters, one pair per device shared by every layer (calls run in
+    stream order), grown at load time so that no CUDA graph captures an allocation."""
+    device = _cuda(device)
+    splits, _ = split_plan(padded_n, k, torch.cuda.get_device_properties(device).multi_processor_count)
+    partial, counters = _WORKSPACES.get(device, (None, None))
+    need = splits * MAX_TOKENS * padded_n
+    if partial is None or partial.numel() < need:
+        partial = torch.empty(need, dtype=torch.float32, device=device)
+    if counters is None or counters.numel() < padded_n // TILE_N:
+        counters = torch.zeros(padded_n // TILE_N, dtype=torch.int32, device=device)
+    _WORKSPACES[device] = (partial, counters)
+
+
+def gemm(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: int, alpha: float,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """alpha * x W^T for x (M <= 8, K) bf16 / fp16, W in Marlin's layout (codes int32 (K / 16, 2 padded_n), scale
+    bytes (K / 16, padded_n)): the native kernel on torch's current stream, into `out` (M, N) if given."""
+    m = x.shape[0]
+    if not 1 <= m <= MAX_TOKENS or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"marlin_mma takes 1-{MAX_TOKENS} tokens of bf16 / fp16, got {tuple(x.shape)} {x.dtype}")
+    x = x.contiguous()
+    padded_n = scale_bytes.shape[1]
+    splits, per = split_plan(padded_n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    partial, counters = _WORKSPACES.get(x.device, (None, None))
+    if partial is None or partial.numel() < splits * MAX_TOKENS * padded_n or counters.numel() < padded_n // TILE_N:
+        raise RuntimeError("marlin_mma: the workspace was not reserved for this layer (reserve_workspace at load)")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"marlin_mma: out must be contiguous ({m}, {n}) {x.dtype}")
+    err = load().tq_marlin_mma(x.data_ptr(), codes.data_ptr(), scale_bytes.data_ptr(), partial.data_ptr(),
+                               counters.data_ptr(), out.data_ptr(), m, n, k, padded_n, splits, per, alpha,
+                               int(x.dtype == torch.bfloat16), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"marlin_mma: launch failed with cudaError_t {err}")
+    return out
+
+
+# ---- the kernel's arithmetic in plain PyTorch -------------------------------------------------------------------
+
+def _bytes(v: torch.Tensor) -> torch.Tensor:
+    """uint32 values in int64 (...) -> their 4 bytes (..., 4), least significant first."""
+    return torch.stack([(v >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+
+
+def byte_perm(x: torch.Tensor, y: torch.Tensor, selector: int | torch.Tensor) -> torch.Tensor:
+    """CUDA's __byte_perm (PRMT, default mode) on uint32 values held in int64: byte i of the result is byte s_i of
+    (y << 32 | x), s_i the i-th nibble of the selector (its low 3 bits)."""
+    x, y = torch.as_tensor(x, dtype=torch.int64), torch.as_tensor(y, dtype=torch.int64)
+    shape = torch.broadcast_shapes(x.shape, y.shape, torch.as_tensor(selector).shape)
+    pool = torch.cat([_bytes(x.expand(shape)), _bytes(y.expand(shape))], dim=-1)
+    s = torch.as_tensor(selector, dtype=torch.int64).expand(shape)
+    out = torch.zeros(shape, dtype=torch.int64)
+    for i in range(4):
+        out |= pool.gather(-1, ((s >> (4 * i)) & 7).unsqueeze(-1)).squeeze(-1) << (8 * i)
+    return out
+
+
+E2M1_BYTES = {torch.bfloat16: (0x3F3F3F00, 0x40404040, 0xC0800000, 0xC0804000),
+              torch.float16: (0x3E3C3800, 0x46444240, 0, 0)}  # (hi0, hi1, lo0, lo1): the .cu's tables
+
+
+def decode_words(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint32 words (int64) (...) -> the A fragment's 4 registers (..., 4) as uint32 (int64): decode_word."""
+    hi0, hi1, lo0, lo1 = E2M1_BYTES[dtype]
+    m = w & 0x77777777
+    sa, sb = byte_perm(m, 0, 0x0020), byte_perm(m, 0, 0x0031)
+    ha, la = byte_perm(hi0, hi1, sa), byte_perm(lo0, lo1, sa)
+    hb, lb = byte_perm(hi0, hi1, sb), byte_perm(lo0, lo1, sb)
+    sign = 0x80008000
+    return torch.stack([byte_perm(la, ha, 0x6240) | ((w << 12) & sign), byte_perm(lb, hb, 0x6240) | ((w << 4) & sign),
+                        byte_perm(la, ha, 0x7351) | ((w << 8) & sign), byte_perm(lb, hb, 0x7351) | (w & sign)], dim=-1)
+
+
+def scale_pairs(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Two scale bytes in 16-bit lanes (int64) -> their 16-bit floats' bits: scale_pair."""
+    nonzero = ((p + 0x00FF00FF) >> 8) & 0x00010001
+    if dtype == torch.bfloat16:
+        return ((p << 4) + nonzero * 0x3480) & 0xFFFFFFFF
+    return ((p << 7) - nonzero * 0x1C00) & 0xFFFFFFFF
+
+
+def halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint32 (int64) (...) -> its two 16-bit floats (..., 2) in fp32, the low half first."""
+    bits = torch.stack([v & 0xFFFF, v >> 16], dim=-1).to(torch.int32).to(torch.int16)
+    return bits.view(dtype).to(torch.float32)
+
+
+def decoded_weight(codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The weight (n, k) in fp32 as the kernel's A fragments hold it after the scale multiply (mul2), placed by the
+    fragment layout: lane g * 4 + t, register r, half h -> n = 16 n54 + g + 8 (r & 1), k = 2 t + h + 8 (r >> 1)."""
+    padded_n = scale_bytes.shape[1]
+    k_tiles, n_tiles = k // TILE_K, padded_n // TILE_N
+    # Marlin pads K as well: the rows past k's tiles hold zeros, and the kernel never reads them
+    w = codes.reshape(-1, n_tiles, 8, 4, 4)[:k_tiles].to(torch.int64) & 0xFFFFFFFF  # (kt, tile, g, t, n54)
+    a = halves(decode_words(w, dtype), dtype)  # (kt, tile, g, t, n54, r, h)
+    sb = scale_bytes.view(torch.uint8)[:k_tiles].to(torch.int64).reshape(k_tiles, n_tiles, 8, 8)  # (kt, tile, g, byte)
+    u = sb[..., 0] | sb[..., 1] << 8 | sb[..., 2] << 16 | sb[..., 3] << 24
+    v = sb[..., 4] | sb[..., 5] << 8 | sb[..., 6] << 16 | sb[..., 7] << 24
+    pairs = torch.stack([u & 0x00FF00FF, (u >> 8) & 0x00FF00FF, v & 0x00FF00FF, (v >> 8) & 0x00FF00FF], dim=-1)
+    s = halves(scale_pairs(pairs, dtype), dtype)  # (kt, tile, g, n54, n3)
+    s = s[:, :, :, None, :, None, None, :].expand(-1, -1, -1, 4, -1, 2, 2, -1)  # (kt, tile, g, t, n54, r>>1, h, n3)
+    s = s.permute(0, 1, 2, 3, 4, 5, 7, 6).reshape(k_tiles, n_tiles, 8, 4, 4, 4, 2)  # r = (r >> 1) * 2 + n3
+    a = (a * s).to(dtype).to(torch.float32)  # mul2: exact, rounded as the kernel rounds
+    # (kt, tile, g, t, n54, r>>1 (k3), n3, h) -> (tile, n54, n3, g, kt, k3, t, h) = (n, k)
+    a = a.reshape(k_tiles, n_tiles, 8, 4, 4, 2, 2, 2).permute(1, 4, 6, 2, 0, 5, 3, 7)
+    return a.reshape(padded_n, k)[:n]
+
+
+def emulate(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: int, alpha: float,
+            splits: int, per: int) -> torch.Tensor:
+    """The kernel's result in plain PyTorch (CPU or GPU): x (M <= 8, K), `splits` of `per` k-tiles each."""
+    w = decoded_weight(codes, scale_bytes, n, k, x.dtype).to(x.device)
+    xf = x.to(torch.float32)
+    total = None
+    for sp in range(splits):
+        tiles = range(sp * per, min((sp + 1) * per, k // TILE_K))
+        cta = None
+        for warp in range(WARPS):
+            acc = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
+            for kt in tiles[warp::WARPS]:
+                sl = slice(kt * TILE_K, (kt + 1) * TILE_K)
+                acc = acc + (xf[:, sl].double() @ w[:, sl].double().t()).float()
+            cta = acc if cta is None else cta + acc
+        total = cta if total is None else total + cta
+    return (alpha * total).to(x.dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] != ["build"]:
+        print("usage: python -m turboquant_vllm.quant.quartet2.marlin_mma build [NVCC]", file=sys.stderr)
+        return 2
+    print(build(args[1] if len(args) > 1 else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The few-token native GEMM's arithmetic (quant.quartet2.marlin_mma) on the CPU: its PyTorch emulation decodes
+Marlin's words with the kernel's own bit operations into exactly the NVFP4 weight the dense decoder reads, and sums
+them into the W4A16 product; the split policy covers every k-tile. On the GPU, the kernel against the emulation:
+test_gpu_marlin_mma.py."""
+
+import random
+
+import pytest
+import torch
+
+from tests.conftest import DEVICE
+from tests.quant.quartet2.test_marlin import w4a16
+from tests.quant.quartet2.test_marlin_dequant import marlin_layout_on_cpu, weight  # noqa: F401 (a fixture)
+from turboquant_vllm.quant.quartet2 import marlin, marlin_dequant, marlin_mma
+
+
+def prmt(x: int, y: int, s: int) -> int:
+    """PRMT's default mode, byte by byte, from the PTX manual's description."""
+    pool = (y << 32) | x
+    return sum(((pool >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def test_byte_perm_is_prmt():
+    rng = random.Random(0)
+    cases = [(rng.getrandbits(32), rng.getrandbits(32), rng.getrandbits(16)) for _ in range(200)]
+    x, y, s = (torch.tensor([c[i] for c in cases], dtype=torch.int64) for i in range(3))
+    assert marlin_mma.byte_perm(x, y, s).tolist() == [prmt(*c) for c in cases]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_every_word_decodes_to_its_e2m1_values(dtype):
+    """All 2^16 pairs of nibbles in every place: a word's 8 codes come out as the E2M1 values, in the fragment's
+    order (register r <- nibbles (j, j + 4), j = 0, 2, 1, 3), exactly."""
+    from turboquant_vllm.quant.quartet2 import nvfp4
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
+    got = marlin_mma.halves(marlin_mma.decode_words(w, dtype), dtype)  # (words, r, h)
+    nib = torch.stack([(w >> (4 * j)) & 15 for j in range(8)], dim=-1)
+    order = torch.tensor([[0, 4], [2, 6], [1, 5], [3, 7]])
+    want = nvfp4.e2m1_value(nib[:, order])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_scale_bytes_decode_to_their_values(dtype):
+    """Every byte Marlin can write (E5M3 of a normal fp16, E5 <= 30; zero: a flushed group): fp16(byte << 7) * 2^-7,
+    in both lanes. fp16 activations leave the scales unlifted: E5 >= 13 (the smallest E4M3 normal times 2^7)."""
+    b = torch.arange(0xF8, dtype=torch.int64)
+    b = b[(b == 0) | (b >= (8 if dtype == torch.bfloat16 else 0x40))]
+    lanes = marlin_mma.halves(marlin_mma.scale_pairs(b | (b.flip(0) << 16), dtype), dtype)
+    value = ((b << 7).to(torch.int16).view(torch.float16).float() / 128)
+    assert torch.equal(lanes[:, 0], value) and torch.equal(lanes[:, 1], value.flip(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["quantized", "small scales", "tiny groups"])
+@pytest.mark.parametrize("shape", [(192, 256), (100, 208)], ids=["192x256", "100x208-padded"])
+def test_the_fragments_hold_the_dense_decoders_weight(marlin_layout_on_cpu, dtype, case, shape):  # noqa: F811
+    n, k = shape
+    m = marlin.prepare(weight(n, k, n + k + 1, case), dtype)
+    t = marlin_dequant.tables(m.weight.device, dtype)
+    want = marlin_dequant.dequantize_reference(m.weight, m.weight_scale, t, n, k)
+    assert torch.equal(marlin_mma.decoded_weight(m.weight.cpu(), m.weight_scale.cpu(), n, k, dtype), want.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_emulation_is_w4a16(marlin_layout_on_cpu, dtype, tokens, splits):  # noqa: F811
+    n, k = 136, 496  # 31 k-tiles: uneven splits and warps; N padded to 192
+    w = weight(n, k, tokens * 10 + splits)
+    m = marlin.prepare(w, dtype)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    per = -(-(k // 16) // splits)
+    y = marlin_mma.emulate(x, m.weight.cpu(), m.weight_scale.cpu(), n, k, m.dense_alpha, splits, per)
+    assert y.shape == (tokens, n) and y.dtype == dtype and not y.isnan().any()
+    u = torch.finfo(dtype).eps / 2
+    ref = w4a16(x, w)
+    assert ((y.double() - ref).abs() <= u * ref.abs() + 1e-6 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize("padded_n,k", [(64, 16), (3584, 3584), (5376, 3584), (14336, 3584), (3584, 14336),
+                                        (128, 65536)])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_the_split_plan_covers_every_k_tile(padded_n, k, sms):
+    splits, per = marlin_mma.split_plan(padded_n, k, sms)
+    k_tiles = k // 16
+    assert splits >= 1 and (splits - 1) * per < k_tiles <= splits * per  # none empty, none missing
+    assert splits == 1 or per >= 2 * marlin_mma.WARPS
+
+
+def test_without_the_library_the_path_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setenv(marlin_mma.DIR_ENV, str(tmp_path))
+    marlin_mma.load.cache_clear()
+    try:
+        assert marlin_mma.load() is None
+        assert marlin_mma.library_path().parent == tmp_path
+        if DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 0):
+            assert "marlin_mma build" in marlin_mma.supported(torch.device("cuda"))
+        assert marlin_mma.supported(torch.device("cpu")) == "not for a cpu device"
+    finally:
+        marlin_mma.load.cache_clear()
+
+
+def test_the_build_command_targets_ampere_and_hopper(tmp_path):
+    cmd = marlin_mma.nvcc_command(tmp_path / "x.so", "/opt/cuda/bin/nvcc")
+    assert cmd[0] == "/opt/cuda/bin/nvcc" and str(marlin_mma.SOURCE) in cmd
+    assert "-gencode=arch=compute_80,code=sm_80" in cmd and "-gencode=arch=compute_90,code=sm_90" in cmd
