@@ -3,8 +3,6 @@ Marlin's words with the kernel's own bit operations into exactly the NVFP4 weigh
 them into the W4A16 product; the split policy covers every k-tile. On the GPU, the kernel against the emulation:
 test_gpu_marlin_mma.py."""
 
-import random
-
 import pytest
 import torch
 
@@ -14,23 +12,10 @@ from tests.quant.quartet2.test_marlin_dequant import marlin_layout_on_cpu, weigh
 from turboquant_vllm.quant.quartet2 import marlin, marlin_dequant, marlin_mma
 
 
-def prmt(x: int, y: int, s: int) -> int:
-    """PRMT's default mode, byte by byte, from the PTX manual's description."""
-    pool = (y << 32) | x
-    return sum(((pool >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-
-
-def test_byte_perm_is_prmt():
-    rng = random.Random(0)
-    cases = [(rng.getrandbits(32), rng.getrandbits(32), rng.getrandbits(16)) for _ in range(200)]
-    x, y, s = (torch.tensor([c[i] for c in cases], dtype=torch.int64) for i in range(3))
-    assert marlin_mma.byte_perm(x, y, s).tolist() == [prmt(*c) for c in cases]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_every_word_decodes_to_its_e2m1_values(dtype):
-    """All 2^16 pairs of nibbles in every place: a word's 8 codes come out as the E2M1 values, in the fragment's
-    order (register r <- nibbles (j, j + 4), j = 0, 2, 1, 3), exactly."""
+    """Random words: a word's 8 codes come out as the E2M1 values times 2^-126 (bf16: 0.5 on a subnormal) or 2^-14
+    (fp16), in the fragment's order (register r <- nibbles (j, j + 4), j = 0, 2, 1, 3), exactly."""
     from turboquant_vllm.quant.quartet2 import nvfp4
 
     gen = torch.Generator().manual_seed(1)
@@ -38,19 +23,19 @@ def test_every_word_decodes_to_its_e2m1_values(dtype):
     got = marlin_mma.halves(marlin_mma.decode_words(w, dtype), dtype)  # (words, r, h)
     nib = torch.stack([(w >> (4 * j)) & 15 for j in range(8)], dim=-1)
     order = torch.tensor([[0, 4], [2, 6], [1, 5], [3, 7]])
-    want = nvfp4.e2m1_value(nib[:, order])
+    want = nvfp4.e2m1_value(nib[:, order]) * 2.0 ** (-126 if dtype == torch.bfloat16 else -14)
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_scale_bytes_decode_to_their_values(dtype):
-    """Every byte Marlin can write (E5M3 of a normal fp16, E5 <= 30; zero: a flushed group): fp16(byte << 7) * 2^-7,
-    in both lanes. fp16 activations leave the scales unlifted: E5 >= 13 (the smallest E4M3 normal times 2^7)."""
-    b = torch.arange(0xF8, dtype=torch.int64)
-    b = b[(b == 0) | (b >= (8 if dtype == torch.bfloat16 else 0x40))]
-    lanes = marlin_mma.halves(marlin_mma.scale_pairs(b | (b.flip(0) << 16), dtype), dtype)
-    value = ((b << 7).to(torch.int16).view(torch.float16).float() / 128)
-    assert torch.equal(lanes[:, 0], value) and torch.equal(lanes[:, 1], value.flip(0))
+    """Every byte Marlin writes for a kept group (E5M3 of a normal fp16, 1 <= E5 <= 30), duplicated in both lanes:
+    fp16(byte << 7) (= scale x factor x 2^7), for bf16 times 2^111 more. fp16 activations leave the scales unlifted:
+    E5 >= 13 (the smallest E4M3 normal times 2^7)."""
+    b = torch.arange(8 if dtype == torch.bfloat16 else 0x40, 0xF8, dtype=torch.int64)
+    lanes = marlin_mma.halves(marlin_mma.scale_dup(b | (b << 16), dtype), dtype)
+    value = (b << 7).to(torch.int16).view(torch.float16).float() * (2.0**111 if dtype == torch.bfloat16 else 1)
+    assert torch.equal(lanes[:, 0], value) and torch.equal(lanes[:, 1], value)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -59,8 +44,10 @@ def test_scale_bytes_decode_to_their_values(dtype):
 def test_the_fragments_hold_the_dense_decoders_weight(marlin_layout_on_cpu, dtype, case, shape):  # noqa: F811
     n, k = shape
     m = marlin.prepare(weight(n, k, n + k + 1, case), dtype)
+    marlin_mma.zero_flushed_codes(m.weight, m.weight_scale)  # as prepare does where the kernel is built
     t = marlin_dequant.tables(m.weight.device, dtype)
     want = marlin_dequant.dequantize_reference(m.weight, m.weight_scale, t, n, k)
+    want *= 2.0**-marlin_mma.FRAGMENT_SHIFT[dtype]
     assert torch.equal(marlin_mma.decoded_weight(m.weight.cpu(), m.weight_scale.cpu(), n, k, dtype), want.cpu())
 
 
@@ -108,3 +95,23 @@ def test_the_build_command_targets_ampere_and_hopper(tmp_path):
     cmd = marlin_mma.nvcc_command(tmp_path / "x.so", "/opt/cuda/bin/nvcc")
     assert cmd[0] == "/opt/cuda/bin/nvcc" and str(marlin_mma.SOURCE) in cmd
     assert "-gencode=arch=compute_80,code=sm_80" in cmd and "-gencode=arch=compute_90,code=sm_90" in cmd
+
+
+def test_flushed_groups_lose_their_codes_only(marlin_layout_on_cpu):  # noqa: F811
+    """The codes of groups Marlin flushes (zero scale bytes) are zeroed, and no other."""
+    from turboquant_vllm.quant.quartet2 import nvfp4
+
+    n, k = 192, 256
+    w = weight(n, k, 7, "tiny groups")
+    m = marlin.prepare(w, torch.bfloat16)
+    marlin_mma.zero_flushed_codes(m.weight, m.weight_scale)  # what prepare does where the kernel is built
+    t = marlin_dequant.tables(m.weight.device, torch.bfloat16)
+    kk, nn = torch.meshgrid(torch.arange(k), torch.arange(n), indexing="xy")
+    word = t.word.long().cpu()[kk % 16, nn % 64] + kk // 16 * 2 * m.weight_scale.shape[1] + nn // 64 * 128
+    code = (m.weight.cpu().reshape(-1).long()[word.reshape(-1)].reshape(n, k) >> t.shift.long().cpu()[kk % 16, nn % 64]
+            ) & 15
+    flushed = marlin.marlin_flushed_groups(w.scales, torch.bfloat16).cpu().repeat_interleave(nvfp4.GROUP, dim=1)
+    packed = w.packed.cpu().view(torch.uint8).long()
+    original = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(n, k)  # element 2 i in the low nibble
+    assert flushed.any() and not code[flushed].any()
+    assert torch.equal(code[~flushed], original[~flushed])

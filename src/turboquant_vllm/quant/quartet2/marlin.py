@@ -129,6 +129,7 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
     mma_max_tokens = marlin_mma.MAX_TOKENS if mma_enabled() and marlin_mma.supported(v.weight.device) is None else 0
     if mma_max_tokens:
         marlin_mma.reserve_workspace(stub.weight_scale.shape[1], k, v.weight.device)
+        marlin_mma.zero_flushed_codes(stub.weight.data, stub.weight_scale.data)  # Marlin reads those as zeros anyway
     _register_op()
     return MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, stub.workspace,
                        v.channel_scale, n, k, dtype, float(v.weight_global_scale) / lift, dense_min_tokens,

@@ -3,15 +3,15 @@
 // Marlin keeps each 16 (k) x 64 (n) tile of E2M1 codes as 128 words; word n_lo * 16 + k21 * 4 + n54 holds, in nibble
 // k0 * 4 + n3 * 2 + k3, the code of n = n_lo + 8 n3 + 16 n54, k = k0 + 2 k21 + 8 k3. Lane l = n_lo * 4 + k21 of a warp
 // loads words 4 l .. 4 l + 3 (one 16-byte load), and each of them is, once decoded, the A fragment of one
-// mma.m16n8k16 (the weight as A: rows n, columns k; x as B, its 8 columns the tokens). Decoding is byte permutes
-// (the 16-bit float's high and low byte of each E2M1 magnitude, looked up by the nibble) and the sign bit, then a
-// multiply by the group's scale: code * scale is exact in bf16 and fp16 (at most 6 significant bits). The tensor
-// cores sum in fp32; warps of a CTA take every fourth k-tile and add up in a fixed order, CTAs split K and the last
-// one of an n-tile adds the splits' partials in split order: the result does not depend on timing.
+// mma.m16n8k16 (the weight as A: rows n, columns k; x as B, its 8 columns the tokens). Decoding is shifts and masks
+// (each nibble's magnitude bits into a 16-bit float's mantissa / exponent, a constant power of two off) and one
+// multiply by the group's scale, exact in bf16 and fp16 (at most 6 significant bits); the power of two goes into alpha.
+// The tensor cores sum in fp32; warps of a CTA take every fourth k-tile and add up in a fixed order, CTAs split K and
+// the last one of an n-tile adds the splits' partials in split order: the result does not depend on timing.
 //
 // Scales: Marlin's byte per (k-tile, n), the top byte of fp16(scale * factor * 2^7) << 1, at column
-// 8 n_lo + (n54 >> 1) * 4 + n3 * 2 + (n54 & 1) of its 64-column block; the value is fp16(byte << 7) * 2^-7, zero for a
-// zero byte (groups Marlin flushed). marlin_mma.py holds the plain PyTorch emulation of all of this.
+// 8 n_lo + (n54 >> 1) * 4 + n3 * 2 + (n54 & 1) of its 64-column block. A zero byte is a group Marlin flushed; its codes
+// are zeroed at load (marlin_mma.zero_flushed_codes). marlin_mma.py holds the plain PyTorch emulation of all of this.
 
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -21,40 +21,37 @@
 namespace {
 
 constexpr int WARPS = 4;   // a CTA: four warps on one n-tile
-constexpr int CHUNK = 8;   // k-tiles a warp loads before it decodes them
+constexpr int CHUNK = 4;   // k-tiles a warp loads at once (two chunks in flight)
 constexpr int TOKENS = 8;  // the mma's n: tokens a call takes at most
 
-// E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7): their 16-bit float's high and low byte, 8 bytes a table.
-template <bool BF16> struct E2M1Bytes;
-template <> struct E2M1Bytes<true> {
-  static constexpr uint32_t hi0 = 0x3F3F3F00u, hi1 = 0x40404040u, lo0 = 0xC0800000u, lo1 = 0xC0804000u;
-};
-template <> struct E2M1Bytes<false> {
-  static constexpr uint32_t hi0 = 0x3E3C3800u, hi1 = 0x46444240u, lo0 = 0u, lo1 = 0u;
-};
-
-// One Marlin word -> the mma's A fragment: a[0] <- nibbles (0, 4), a[1] <- (2, 6), a[2] <- (1, 5), a[3] <- (3, 7),
-// the lower k (nibble j) in the low half.
-template <bool BF16>
-__device__ __forceinline__ void decode_word(uint32_t w, uint32_t a[4]) {
-  using T = E2M1Bytes<BF16>;
-  const uint32_t m = w & 0x77777777u;                 // magnitudes: PRMT's index, its mode bit clear
-  const uint32_t sa = __byte_perm(m, 0u, 0x0020u);    // nibbles 0, 1, 4, 5
-  const uint32_t sb = __byte_perm(m, 0u, 0x0031u);    // nibbles 2, 3, 6, 7
-  const uint32_t ha = __byte_perm(T::hi0, T::hi1, sa), la = __byte_perm(T::lo0, T::lo1, sa);
-  const uint32_t hb = __byte_perm(T::hi0, T::hi1, sb), lb = __byte_perm(T::lo0, T::lo1, sb);
-  a[0] = __byte_perm(la, ha, 0x6240u) | ((w << 12) & 0x80008000u);
-  a[2] = __byte_perm(la, ha, 0x7351u) | ((w << 8) & 0x80008000u);
-  a[1] = __byte_perm(lb, hb, 0x6240u) | ((w << 4) & 0x80008000u);
-  a[3] = __byte_perm(lb, hb, 0x7351u) | (w & 0x80008000u);
+// One Marlin word -> the mma's A fragment, by shifts alone: register r takes nibbles (j, j + 4) (j = 0, 2, 1, 3 for
+// r = 0..3, the lower k in the low half), each nibble's 3 magnitude bits (e1 e0 m) placed at the top of the 16-bit
+// float's mantissa and the bottom of its exponent, its sign at bit 15. That float is the E2M1 value times 2^-126
+// (bf16; 0.5 lands on a subnormal) or 2^-14 (fp16): a constant the scale and alpha take back.
+template <bool BF16, int J>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t w) {
+  constexpr int MAG = (BF16 ? 6 : 9) - 4 * J;  // nibble j's bits 4 j .. 4 j + 2 -> mantissa top (bit 6 / bit 9)
+  constexpr uint32_t MAG_MASK = BF16 ? 0x01C001C0u : 0x0E000E00u;
+  const uint32_t mag = (MAG >= 0 ? w << MAG : w >> -MAG) & MAG_MASK;
+  return mag | ((w << (12 - 4 * J)) & 0x80008000u);
 }
 
-// Two scale bytes in 16-bit lanes -> their 16-bit float values (a zero byte stays zero).
 template <bool BF16>
-__device__ __forceinline__ uint32_t scale_pair(uint32_t p) {
-  const uint32_t nonzero = ((p + 0x00FF00FFu) >> 8) & 0x00010001u;
-  if (BF16) return (p << 4) + nonzero * 0x3480u;      // bf16 exponent E5 - 15 - 7 + 127 = E5 + 105
-  return (p << 7) - nonzero * 0x1C00u;                 // fp16 exponent E5 - 7 (scale bytes >= 0x40)
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t a[4]) {
+  a[0] = decode_pair<BF16, 0>(w);
+  a[1] = decode_pair<BF16, 2>(w);
+  a[2] = decode_pair<BF16, 1>(w);
+  a[3] = decode_pair<BF16, 3>(w);
+}
+
+// A scale byte (in byte 0 of p, byte 2 a copy) -> the 16-bit float pair the decoded codes are multiplied by:
+// fp16: fp16(byte << 7) = scale * factor * 2^7 as Marlin stores it; bf16: scale * factor * 2^118 (exponent
+// E5 - 22 + 118 + 127 = E5 + 223 <= 253). A zero byte (a group Marlin flushed) has zero codes (prepare zeroes them),
+// so its scale's value does not matter.
+template <bool BF16>
+__device__ __forceinline__ uint32_t scale_dup(uint32_t p) {
+  if (BF16) return (p << 4) + 0x6F806F80u;
+  return p << 7;
 }
 
 template <bool BF16>
@@ -85,6 +82,52 @@ __device__ __forceinline__ uint16_t to_half_bits(float v) {
   return __half_as_ushort(__float2half_rn(v));
 }
 
+struct Chunk {
+  int4 w[CHUNK];           // the lane's 4 words of each k-tile
+  uint2 s[CHUNK];          // its 8 scale bytes
+  uint32_t b[CHUNK][2];    // x: the B fragment (token g, k 2 t, 2 t + 1 and + 8)
+};
+
+__device__ __forceinline__ void load_chunk(Chunk& ck, const int4* cbase, size_t crow, const uint8_t* sbase,
+                                           int padded_n, const uint32_t* xrow, bool has_row, int t, int first,
+                                           int count, int chunk) {
+#pragma unroll
+  for (int i = 0; i < CHUNK; ++i) {
+    const int j = chunk * CHUNK + i;
+    const bool ok = j < count;
+    const int k = first + WARPS * j;
+    ck.w[i] = ok ? __ldg(cbase + k * crow) : make_int4(0, 0, 0, 0);
+    ck.s[i] = ok ? __ldg(reinterpret_cast<const uint2*>(sbase + (size_t)k * padded_n)) : make_uint2(0u, 0u);
+    ck.b[i][0] = ok && has_row ? __ldg(xrow + k * 8 + t) : 0u;
+    ck.b[i][1] = ok && has_row ? __ldg(xrow + k * 8 + 4 + t) : 0u;
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ void compute_chunk(const Chunk& ck, float c[4][4]) {
+#pragma unroll
+  for (int i = 0; i < CHUNK; ++i) {
+    const uint32_t words[4] = {(uint32_t)ck.w[i].x, (uint32_t)ck.w[i].y, (uint32_t)ck.w[i].z, (uint32_t)ck.w[i].w};
+    const uint32_t u = ck.s[i].x, v = ck.s[i].y;
+    // scale byte of (n54, n3) at 8 g + (n54 >> 1) * 4 + n3 * 2 + (n54 & 1): (u, v) bytes by n54 = 0..3
+    const uint32_t row0[4] = {__byte_perm(u, 0u, 0x4040u), __byte_perm(u, 0u, 0x4141u), __byte_perm(v, 0u, 0x4040u),
+                              __byte_perm(v, 0u, 0x4141u)};
+    const uint32_t row8[4] = {__byte_perm(u, 0u, 0x4242u), __byte_perm(u, 0u, 0x4343u), __byte_perm(v, 0u, 0x4242u),
+                              __byte_perm(v, 0u, 0x4343u)};
+#pragma unroll
+    for (int n54 = 0; n54 < 4; ++n54) {
+      const uint32_t s0 = scale_dup<BF16>(row0[n54]), s1 = scale_dup<BF16>(row8[n54]);
+      uint32_t a[4];
+      decode_word<BF16>(words[n54], a);
+      a[0] = mul2<BF16>(a[0], s0);
+      a[2] = mul2<BF16>(a[2], s0);
+      a[1] = mul2<BF16>(a[1], s1);
+      a[3] = mul2<BF16>(a[3], s1);
+      mma<BF16>(c[n54], a, ck.b[i][0], ck.b[i][1]);
+    }
+  }
+}
+
 template <bool BF16>
 __global__ void __launch_bounds__(WARPS * 32) marlin_mma_kernel(
     const uint32_t* __restrict__ x, const int4* __restrict__ codes, const uint8_t* __restrict__ scales,
@@ -106,37 +149,17 @@ __global__ void __launch_bounds__(WARPS * 32) marlin_mma_kernel(
 #pragma unroll
   for (int j = 0; j < 4; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
 
-  for (int kt = kt0 + warp; kt < kt1; kt += WARPS * CHUNK) {
-    int4 w[CHUNK];
-    uint2 s[CHUNK];
-    uint32_t b[CHUNK][2];
-#pragma unroll
-    for (int i = 0; i < CHUNK; ++i) {
-      const int k = kt + WARPS * i;
-      const bool ok = k < kt1;
-      w[i] = ok ? __ldg(cbase + k * crow) : make_int4(0, 0, 0, 0);
-      s[i] = ok ? __ldg(reinterpret_cast<const uint2*>(sbase + (size_t)k * padded_n)) : make_uint2(0u, 0u);
-      b[i][0] = ok && has_row ? __ldg(xrow + k * 8 + t) : 0u;
-      b[i][1] = ok && has_row ? __ldg(xrow + k * 8 + 4 + t) : 0u;
-    }
-#pragma unroll
-    for (int i = 0; i < CHUNK; ++i) {
-      const uint32_t words[4] = {(uint32_t)w[i].x, (uint32_t)w[i].y, (uint32_t)w[i].z, (uint32_t)w[i].w};
-      const uint32_t pairs[4] = {s[i].x & 0x00FF00FFu, (s[i].x >> 8) & 0x00FF00FFu, s[i].y & 0x00FF00FFu,
-                                 (s[i].y >> 8) & 0x00FF00FFu};  // (row n_lo, row n_lo + 8) of n54 = 0..3
-#pragma unroll
-      for (int n54 = 0; n54 < 4; ++n54) {
-        const uint32_t r = scale_pair<BF16>(pairs[n54]);
-        const uint32_t s0 = __byte_perm(r, 0u, 0x1010u), s1 = __byte_perm(r, 0u, 0x3232u);
-        uint32_t a[4];
-        decode_word<BF16>(words[n54], a);
-        a[0] = mul2<BF16>(a[0], s0);
-        a[2] = mul2<BF16>(a[2], s0);
-        a[1] = mul2<BF16>(a[1], s1);
-        a[3] = mul2<BF16>(a[3], s1);
-        mma<BF16>(c[n54], a, b[i][0], b[i][1]);
-      }
-    }
+  // this warp's k-tiles kt0 + warp + WARPS i, CHUNK at a time, the next chunk's loads issued before this one's math
+  const int count = kt1 - kt0 - warp > 0 ? (kt1 - kt0 - warp + WARPS - 1) / WARPS : 0;
+  const int chunks = (count + CHUNK - 1) / CHUNK;
+  Chunk bufs[2];
+  load_chunk(bufs[0], cbase, crow, sbase, padded_n, xrow, has_row, t, kt0 + warp, count, 0);
+  for (int ch = 0; ch < chunks; ch += 2) {
+    load_chunk(bufs[1], cbase, crow, sbase, padded_n, xrow, has_row, t, kt0 + warp, count, ch + 1);
+    compute_chunk<BF16>(bufs[0], c);
+    if (ch + 1 >= chunks) break;
+    load_chunk(bufs[0], cbase, crow, sbase, padded_n, xrow, has_row, t, kt0 + warp, count, ch + 2);
+    compute_chunk<BF16>(bufs[1], c);
   }
 
   // C fragment: c[n54][0 / 1] = (n = 16 n54 + g, token 2 t / 2 t + 1), c[n54][2 / 3] the same at n + 8.

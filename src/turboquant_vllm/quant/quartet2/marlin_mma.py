@@ -133,7 +133,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
         raise ValueError(f"marlin_mma: out must be contiguous ({m}, {n}) {x.dtype}")
     err = load().tq_marlin_mma(x.data_ptr(), codes.data_ptr(), scale_bytes.data_ptr(), partial.data_ptr(),
-                               counters.data_ptr(), out.data_ptr(), m, n, k, padded_n, splits, per, alpha,
+                               counters.data_ptr(), out.data_ptr(), m, n, k, padded_n, splits, per,
+                               alpha * 2.0 ** FRAGMENT_SHIFT[x.dtype],
                                int(x.dtype == torch.bfloat16), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"marlin_mma: launch failed with cudaError_t {err}")
@@ -142,46 +143,42 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int
 
 # ---- the kernel's arithmetic in plain PyTorch -------------------------------------------------------------------
 
-def _bytes(v: torch.Tensor) -> torch.Tensor:
-    """uint32 values in int64 (...) -> their 4 bytes (..., 4), least significant first."""
-    return torch.stack([(v >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
-
-
-def byte_perm(x: torch.Tensor, y: torch.Tensor, selector: int | torch.Tensor) -> torch.Tensor:
-    """CUDA's __byte_perm (PRMT, default mode) on uint32 values held in int64: byte i of the result is byte s_i of
-    (y << 32 | x), s_i the i-th nibble of the selector (its low 3 bits)."""
-    x, y = torch.as_tensor(x, dtype=torch.int64), torch.as_tensor(y, dtype=torch.int64)
-    shape = torch.broadcast_shapes(x.shape, y.shape, torch.as_tensor(selector).shape)
-    pool = torch.cat([_bytes(x.expand(shape)), _bytes(y.expand(shape))], dim=-1)
-    s = torch.as_tensor(selector, dtype=torch.int64).expand(shape)
-    out = torch.zeros(shape, dtype=torch.int64)
-    for i in range(4):
-        out |= pool.gather(-1, ((s >> (4 * i)) & 7).unsqueeze(-1)).squeeze(-1) << (8 * i)
-    return out
-
-
-E2M1_BYTES = {torch.bfloat16: (0x3F3F3F00, 0x40404040, 0xC0800000, 0xC0804000),
-              torch.float16: (0x3E3C3800, 0x46444240, 0, 0)}  # (hi0, hi1, lo0, lo1): the .cu's tables
+FRAGMENT_SHIFT = {torch.bfloat16: 8, torch.float16: 7}  # decoded code x scale = value x 2^-shift: alpha x 2^shift
 
 
 def decode_words(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint32 words (int64) (...) -> the A fragment's 4 registers (..., 4) as uint32 (int64): decode_word."""
-    hi0, hi1, lo0, lo1 = E2M1_BYTES[dtype]
-    m = w & 0x77777777
-    sa, sb = byte_perm(m, 0, 0x0020), byte_perm(m, 0, 0x0031)
-    ha, la = byte_perm(hi0, hi1, sa), byte_perm(lo0, lo1, sa)
-    hb, lb = byte_perm(hi0, hi1, sb), byte_perm(lo0, lo1, sb)
-    sign = 0x80008000
-    return torch.stack([byte_perm(la, ha, 0x6240) | ((w << 12) & sign), byte_perm(lb, hb, 0x6240) | ((w << 4) & sign),
-                        byte_perm(la, ha, 0x7351) | ((w << 8) & sign), byte_perm(lb, hb, 0x7351) | (w & sign)], dim=-1)
+    """uint32 words (int64) (...) -> the A fragment's 4 registers (..., 4) as uint32 (int64): decode_word (register r
+    holds nibbles (j, j + 4), j = 0, 2, 1, 3)."""
+    bf16 = dtype == torch.bfloat16
+    mag_mask = 0x01C001C0 if bf16 else 0x0E000E00
+    out = []
+    for j in (0, 2, 1, 3):
+        shift = (6 if bf16 else 9) - 4 * j
+        mag = ((w << shift) if shift >= 0 else (w >> -shift)) & mag_mask
+        out.append(mag | ((w << (12 - 4 * j)) & 0x80008000))
+    return torch.stack(out, dim=-1)
 
 
-def scale_pairs(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Two scale bytes in 16-bit lanes (int64) -> their 16-bit floats' bits: scale_pair."""
-    nonzero = ((p + 0x00FF00FF) >> 8) & 0x00010001
+def scale_dup(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A scale byte in both 16-bit lanes (int64) -> the 16-bit floats' bits the decoded codes are multiplied by."""
     if dtype == torch.bfloat16:
-        return ((p << 4) + nonzero * 0x3480) & 0xFFFFFFFF
-    return ((p << 7) - nonzero * 0x1C00) & 0xFFFFFFFF
+        return ((p << 4) + 0x6F806F80) & 0xFFFFFFFF
+    return (p << 7) & 0xFFFFFFFF
+
+
+def zero_flushed_codes(codes: torch.Tensor, scale_bytes: torch.Tensor) -> None:
+    """Zeroes, in place, the codes of every group whose scale byte is zero (a group Marlin flushed: Marlin and the
+    dense decoder read it as zeros whatever its codes), so that the kernel needs no test for it. A word holds two
+    groups of its k-tile: rows n3 = 0 (nibbles 0, 1, 4, 5) and n3 = 1 (nibbles 2, 3, 6, 7)."""
+    n_tiles = scale_bytes.shape[1] // TILE_N
+    sb = scale_bytes.view(torch.uint8).reshape(-1, n_tiles, 8, 8)  # (kt, tile, g, byte)
+    q = torch.tensor([[(n54 >> 1) * 4 + n3 * 2 + (n54 & 1) for n3 in (0, 1)] for n54 in range(4)],
+                     device=sb.device)
+    zero = sb[:, :, :, q] == 0  # (kt, tile, g, n54, n3)
+    mask = zero[..., 0].to(torch.int64) * 0x00FF00FF | zero[..., 1].to(torch.int64) * 0xFF00FF00
+    words = codes.view(-1, n_tiles, 8, 4, 4)  # (kt, tile, g, t, n54)
+    kept = (words.to(torch.int64) & 0xFFFFFFFF) & ~mask[:, :, :, None, :]
+    words.copy_(torch.where(kept >= 2**31, kept - 2**32, kept).to(torch.int32))
 
 
 def halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,18 +189,18 @@ def halves(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def decoded_weight(codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: int,
                    dtype: torch.dtype) -> torch.Tensor:
-    """The weight (n, k) in fp32 as the kernel's A fragments hold it after the scale multiply (mul2), placed by the
-    fragment layout: lane g * 4 + t, register r, half h -> n = 16 n54 + g + 8 (r & 1), k = 2 t + h + 8 (r >> 1)."""
+    """The weight (n, k) in fp32 as the kernel's A fragments hold it after the scale multiply (mul2): the NVFP4 value
+    x 2^-FRAGMENT_SHIFT, placed by the fragment layout: lane g * 4 + t, register r, half h -> n = 16 n54 + g +
+    8 (r & 1), k = 2 t + h + 8 (r >> 1). Flushed groups must have had their codes zeroed (zero_flushed_codes)."""
     padded_n = scale_bytes.shape[1]
     k_tiles, n_tiles = k // TILE_K, padded_n // TILE_N
     # Marlin pads K as well: the rows past k's tiles hold zeros, and the kernel never reads them
     w = codes.reshape(-1, n_tiles, 8, 4, 4)[:k_tiles].to(torch.int64) & 0xFFFFFFFF  # (kt, tile, g, t, n54)
     a = halves(decode_words(w, dtype), dtype)  # (kt, tile, g, t, n54, r, h)
     sb = scale_bytes.view(torch.uint8)[:k_tiles].to(torch.int64).reshape(k_tiles, n_tiles, 8, 8)  # (kt, tile, g, byte)
-    u = sb[..., 0] | sb[..., 1] << 8 | sb[..., 2] << 16 | sb[..., 3] << 24
-    v = sb[..., 4] | sb[..., 5] << 8 | sb[..., 6] << 16 | sb[..., 7] << 24
-    pairs = torch.stack([u & 0x00FF00FF, (u >> 8) & 0x00FF00FF, v & 0x00FF00FF, (v >> 8) & 0x00FF00FF], dim=-1)
-    s = halves(scale_pairs(pairs, dtype), dtype)  # (kt, tile, g, n54, n3)
+    q = torch.tensor([[(n54 >> 1) * 4 + n3 * 2 + (n54 & 1) for n3 in (0, 1)] for n54 in range(4)], device=sb.device)
+    byte = sb[:, :, :, q]  # (kt, tile, g, n54, n3)
+    s = halves(scale_dup(byte | byte << 16, dtype), dtype)[..., 0]  # both lanes alike
     s = s[:, :, :, None, :, None, None, :].expand(-1, -1, -1, 4, -1, 2, 2, -1)  # (kt, tile, g, t, n54, r>>1, h, n3)
     s = s.permute(0, 1, 2, 3, 4, 5, 7, 6).reshape(k_tiles, n_tiles, 8, 4, 4, 4, 2)  # r = (r >> 1) * 2 + n3
     a = (a * s).to(dtype).to(torch.float32)  # mul2: exact, rounded as the kernel rounds
@@ -228,7 +225,7 @@ def emulate(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: 
                 acc = acc + (xf[:, sl].double() @ w[:, sl].double().t()).float()
             cta = acc if cta is None else cta + acc
         total = cta if total is None else total + cta
-    return (alpha * total).to(x.dtype)
+    return (alpha * 2.0 ** FRAGMENT_SHIFT[x.dtype] * total).to(x.dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
