@@ -8,8 +8,8 @@ Paths, each over the same NVFP4 weight (a random bf16 weight quantized by the 4/
   built);
 - decode+cublas: the weight decoded from Marlin's layout into bf16, then cuBLAS (quartet2.marlin_dequant), every
   token count;
-- policy: what quartet2's marlin path runs (mma up to 8 tokens where built, Marlin below DENSE_MIN_TOKENS tokens,
-  decode+cublas from there);
+- policy: what quartet2's marlin path runs (mma up to marlin_mma.POLICY_TOKENS tokens where built, Marlin below
+  DENSE_MIN_TOKENS tokens, decode+cublas from there);
 - decode: the decoder alone (its row: the time to write the bf16 weight, GB/s of codes read + bf16 written).
 Times: CUDA-graph replay, median (benchmarks.common.time_ms). A layer's rows repeat one weight, which stays in L2 if
 it fits (50 MB on an H100): small layers at few tokens read as faster than a model's pass over them. The block rows
@@ -42,13 +42,14 @@ COPIES = 4  # a block's weights, COPIES times: more than an H100's or H200's L2 
 
 def paths(m) -> dict:
     """path -> fn(x) over the prepared Marlin weight m (the dense path apart)."""
-    from turboquant_vllm.quant.quartet2 import marlin
+    from turboquant_vllm.quant.quartet2 import marlin, marlin_mma
 
     fns = {"marlin": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0, mma_max_tokens=0)),
            "decode+cublas": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=1, mma_max_tokens=0)),
            "policy": lambda x: marlin.marlin_linear(x, m)}
     if m.mma_max_tokens:
-        fns["mma"] = lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0))
+        fns["mma"] = lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0,
+                                                                  mma_max_tokens=marlin_mma.MAX_TOKENS))
     return fns
 
 
@@ -133,7 +134,7 @@ def line(r: dict) -> str:
 
 def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens: int) -> str:
     out = [f"NVFP4 weight GEMM (W4A16, bf16 activations), {model}'s linear layers (K x N), random weights quantized by "
-           f"the 4/6 rule. policy: the native few-token kernel (mma) up to 8 tokens where built, Marlin below "
+           f"the 4/6 rule. policy: the native few-token kernel (mma) up to 4 tokens where built, Marlin below "
            f"{dense_min_tokens} tokens, the weight decoded for cuBLAS from there. "
            "decode rows: the decoder alone (GB/s: codes and scales read + bf16 written). Weight GB/s: the path's "
            "weight bytes (NVFP4: 0.5625 B a weight; dense: 2) / time.", ""]

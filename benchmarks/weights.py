@@ -220,6 +220,8 @@ class Weights(engine_rows.WeightRows):
     name, tag = "weights", "WEIGHTS_ROW"
     kernel_patterns = (
         (re.compile(r"quartet2: NVFP4 path marlin\b"), "Marlin FP4 W4A16 (quartet2 marlin)"),
+        (re.compile(r"quartet2: GEMMs of 1-(\d+) tokens run the native few-token kernel"),
+         "few-token mma kernel (1-{0} tokens)"),
         (re.compile(r"quartet2: NVFP4 path emulate\b"), "W4A4 emulation (quartet2 emulate)"),
         (re.compile(r"Selected (\w+) for Fp8\w*LinearMethod"), "{0}"),
         (re.compile(r"Using (\w+) for NVFP4 GEMM"), "{0}"),  # modelopt_fp4's kernel
@@ -314,7 +316,8 @@ class Weights(engine_rows.WeightRows):
         engine_rows.add_row_ratios(rows, ref, ref if ref and ref.get("decode_latency_ms") else None, "bf16")
         return (" Ratios: against the bf16 row, > 1 faster" + ("" if ref else " (no bf16 row measured: no ratios)")
                 + ". Kernel: the one the engine's log names (bf16: no log line; quartet2 marlin: NVFP4 weights "
-                "through vLLM's Marlin FP4 kernel, bf16 activations). Weights GiB: the engine's \"Model loading took\" "
+                "through vLLM's Marlin FP4 kernel, bf16 activations; with the native few-token kernel built, GEMMs of "
+                "up to its token count run on it). Weights GiB: the engine's \"Model loading took\" "
                 "(embeddings and LM head bf16 in every row).")
 
     def intro(self, rows: list[dict], model: dict) -> str:

@@ -114,6 +114,10 @@ def test_log_facts():
     assert weights.BENCH.log_facts(QUARTET2.replace("path marlin", "path emulate") * 2)["kernel"] == (
         "W4A4 emulation (quartet2 emulate)")
     assert weights.BENCH.log_facts(FP8 + LOG)["kernel"] == "CutlassFP8ScaledMMLinearKernel"
+    mma = ("INFO 11-27 02:30:00 [method.py:127] quartet2: GEMMs of 1-4 tokens run the native few-token kernel "
+           "(/root/.cache/turboquant-vllm/marlin_mma-0123456789ab.so; TURBOQUANT_QUARTET2_MMA=0 keeps Marlin)\n")
+    assert weights.BENCH.log_facts(QUARTET2 + mma + LOG)["kernel"] == (
+        "Marlin FP4 W4A16 (quartet2 marlin) + few-token mma kernel (1-4 tokens)")
     failed = weights.BENCH.log_facts(LOG + "ValueError: quartet2: vLLM's Marlin FP4 kernel does not run here\n")
     assert failed["error"] == "ValueError: quartet2: vLLM's Marlin FP4 kernel does not run here"
 

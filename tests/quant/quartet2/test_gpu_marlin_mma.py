@@ -29,7 +29,7 @@ def built():
 
 def prepared(n, k, dtype):
     m = marlin.prepare(quantized(n, k), dtype)
-    assert m.mma_max_tokens == marlin_mma.MAX_TOKENS
+    assert m.mma_max_tokens == marlin_mma.POLICY_TOKENS
     return m
 
 
@@ -51,22 +51,26 @@ def test_the_kernel_is_its_emulation_and_w4a16(dtype, shape):
         y = call(x, m, out)
         assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
         want = marlin_mma.emulate(x, m.weight, m.weight_scale, n, k, m.dense_alpha, splits, per)
-        ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
-        diff = (y.float() - want.float()).abs()
-        assert (diff <= ulp).all(), f"{tokens} tokens: {int((diff > ulp).sum())} outputs past one ulp"
+        w = quantized(n, k)
+        magnitude = (x.double().abs() @ linear.unscaled_values(w.packed, w.scales).double().abs().t()
+                     * w.tensor_scale.double())
+        # one ulp of the output, or where the sum cancels, the tensor core's fp32 rounding of its terms
+        bound = torch.finfo(dtype).eps * want.double().abs() + 2**-20 * magnitude
+        diff = (y.double() - want.double()).abs()
+        assert (diff <= bound).all(), f"{tokens} tokens: {int((diff > bound).sum())} outputs past the bound"
         assert (diff == 0).float().mean() >= 0.99, f"{tokens} tokens: {float((diff == 0).float().mean()):.4f} equal"
         assert_w4a16(y, x, quantized(n, k))
 
 
-def test_the_op_takes_it_up_to_eight_tokens_and_marlin_beyond():
+def test_the_op_takes_it_up_to_the_policys_tokens_and_marlin_beyond():
     n, k = 5376, 3584
     m = prepared(n, k, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(3)
-    for tokens in (1, 8, 9):
+    for tokens in (1, marlin_mma.POLICY_TOKENS, marlin_mma.POLICY_TOKENS + 1):
         x = torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
         y = marlin.marlin_linear(x, m)
         marlin_only = marlin.marlin_linear(x, m._replace(mma_max_tokens=0))
-        if tokens <= 8:
+        if tokens <= marlin_mma.POLICY_TOKENS:
             assert torch.equal(y, call(x, m))
         else:
             assert torch.equal(y, marlin_only)

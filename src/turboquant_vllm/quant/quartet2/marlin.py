@@ -126,7 +126,7 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
         marlin_dequant.reserve_scratch(n * k, v.weight.device, dtype)
         if v.weight.is_cuda:  # probed now, at load: never inside a CUDA-graph capture (the probe synchronizes)
             marlin_dequant.tables(v.weight.device, dtype)
-    mma_max_tokens = marlin_mma.MAX_TOKENS if mma_enabled() and marlin_mma.supported(v.weight.device) is None else 0
+    mma_max_tokens = marlin_mma.POLICY_TOKENS if mma_enabled() and marlin_mma.supported(v.weight.device) is None else 0
     if mma_max_tokens:
         marlin_mma.reserve_workspace(stub.weight_scale.shape[1], k, v.weight.device)
         marlin_mma.zero_flushed_codes(stub.weight.data, stub.weight_scale.data)  # Marlin reads those as zeros anyway

@@ -22,6 +22,7 @@ namespace {
 
 constexpr int WARPS = 4;   // a CTA: four warps on one n-tile
 constexpr int CHUNK = 4;   // k-tiles a warp loads at once (two chunks in flight)
+constexpr int MIN_CTAS = 4;  // CTAs an SM (128 registers a thread): more warps to hide the loads' latency
 constexpr int TOKENS = 8;  // the mma's n: tokens a call takes at most
 
 // One Marlin word -> the mma's A fragment, by shifts alone: register r takes nibbles (j, j + 4) (j = 0, 2, 1, 3 for
@@ -129,11 +130,11 @@ __device__ __forceinline__ void compute_chunk(const Chunk& ck, float c[4][4]) {
 }
 
 template <bool BF16>
-__global__ void __launch_bounds__(WARPS * 32) marlin_mma_kernel(
+__global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) marlin_mma_kernel(
     const uint32_t* __restrict__ x, const int4* __restrict__ codes, const uint8_t* __restrict__ scales,
     float* __restrict__ partial, int* __restrict__ counters, uint16_t* __restrict__ out, int M, int N, int K,
     int padded_n, int tiles_per_split, float alpha) {
-  __shared__ float sums[WARPS][64][TOKENS];
+  __shared__ float sums[WARPS][TOKENS][64];  // n fastest: the reads below are conflict-free
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -165,17 +166,17 @@ __global__ void __launch_bounds__(WARPS * 32) marlin_mma_kernel(
   // C fragment: c[n54][0 / 1] = (n = 16 n54 + g, token 2 t / 2 t + 1), c[n54][2 / 3] the same at n + 8.
 #pragma unroll
   for (int n54 = 0; n54 < 4; ++n54) {
-    sums[warp][16 * n54 + g][2 * t] = c[n54][0];
-    sums[warp][16 * n54 + g][2 * t + 1] = c[n54][1];
-    sums[warp][16 * n54 + g + 8][2 * t] = c[n54][2];
-    sums[warp][16 * n54 + g + 8][2 * t + 1] = c[n54][3];
+    sums[warp][2 * t][16 * n54 + g] = c[n54][0];
+    sums[warp][2 * t + 1][16 * n54 + g] = c[n54][1];
+    sums[warp][2 * t][16 * n54 + g + 8] = c[n54][2];
+    sums[warp][2 * t + 1][16 * n54 + g + 8] = c[n54][3];
   }
   __syncthreads();
   const int splits = gridDim.y;
-  for (int e = threadIdx.x; e < 64 * TOKENS; e += WARPS * 32) {
-    const int n = e / TOKENS, tok = e % TOKENS, gn = ntile * 64 + n;
-    if (tok >= M) continue;
-    const float sum = ((sums[0][n][tok] + sums[1][n][tok]) + sums[2][n][tok]) + sums[3][n][tok];
+  // one thread an output (n, token) of the M tokens: e = token * 64 + n
+  for (int e = threadIdx.x; e < M * 64; e += WARPS * 32) {
+    const int n = e & 63, tok = e >> 6, gn = ntile * 64 + n;
+    const float sum = ((sums[0][tok][n] + sums[1][tok][n]) + sums[2][tok][n]) + sums[3][tok][n];
     if (splits == 1) {
       if (gn < N) out[(size_t)tok * N + gn] = to_half_bits<BF16>(alpha * sum);
     } else {
@@ -189,11 +190,22 @@ __global__ void __launch_bounds__(WARPS * 32) marlin_mma_kernel(
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int e = threadIdx.x; e < 64 * TOKENS; e += WARPS * 32) {
-    const int n = e / TOKENS, tok = e % TOKENS, gn = ntile * 64 + n;
-    if (tok >= M || gn >= N) continue;
+  for (int e = threadIdx.x; e < M * 64; e += WARPS * 32) {
+    const int n = e & 63, tok = e >> 6, gn = ntile * 64 + n;
+    if (gn >= N) continue;
+    const float* p = partial + (size_t)tok * padded_n + gn;
+    const size_t stride = (size_t)TOKENS * padded_n;
     float sum = 0.f;
-    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(partial + ((size_t)sp * TOKENS + tok) * padded_n + gn);
+    int sp = 0;
+    for (; sp + 4 <= splits; sp += 4) {  // four loads in flight, added in split order
+      const float p0 = __ldcg(p + sp * stride), p1 = __ldcg(p + (sp + 1) * stride);
+      const float p2 = __ldcg(p + (sp + 2) * stride), p3 = __ldcg(p + (sp + 3) * stride);
+      sum += p0;
+      sum += p1;
+      sum += p2;
+      sum += p3;
+    }
+    for (; sp < splits; ++sp) sum += __ldcg(p + sp * stride);
     out[(size_t)tok * N + gn] = to_half_bits<BF16>(alpha * sum);
   }
   if (threadIdx.x == 0) counters[ntile] = 0;  // ready for the next call (CUDA-graph replays included)

@@ -1,5 +1,5 @@
 """The marlin path's few-token GEMM: a native kernel (marlin_mma.cu) that feeds mma.sync straight from Marlin's NVFP4
-words, for 1 to 8 tokens (batch-1 and small-batch decode), where Marlin itself leaves HBM bandwidth unused.
+words, for 1 to 8 tokens (the marlin path gives it up to POLICY_TOKENS: batch-1 and small-batch decode).
 
 Each Marlin word is the A fragment of one mma.m16n8k16 once decoded (the weight as A, x as B with the tokens as its
 8 columns), so a lane loads 4 consecutive words and decodes them in registers: no shared memory, no layout change,
@@ -27,12 +27,13 @@ import torch
 
 from .marlin_dequant import TILE_K, TILE_N
 
-MAX_TOKENS = 8  # the mma's n
+MAX_TOKENS = 8  # the mma's n: what the kernel takes
+POLICY_TOKENS = 4  # what the marlin path gives it: up to 4 tokens it beats Marlin, at 8 it does not (H100, nvfp4_gemm)
 WARPS = 4  # a CTA's warps, each every fourth k-tile of the CTA's range
 SOURCE = Path(__file__).with_name("marlin_mma.cu")
 DIR_ENV = "TURBOQUANT_NATIVE_DIR"
 ARCHS = ("80", "90")  # mma.sync m16n8k16 and bf16x2 FMA: Ampere and newer
-CTAS_PER_SM = 3  # what 132-136 registers a thread leave room for: the split policy's target
+CTAS_PER_SM = 3  # the split policy's target (the kernel fits 4 an SM; 3 measured best, 2 and 4-6 slower)
 
 
 def library_path() -> Path:
