@@ -47,7 +47,7 @@ def test_verify_json_schema_and_values(capsys):
     assert by_name["tq4"]["bytes_per_token_per_head"] == 136 and by_name["tq3"]["bytes_per_token_per_head"] == 104
     assert all(set(p) >= {"name", "head_dim", "bytes_per_token_per_head"} for p in out["presets"])
     assert out["package"]["ok"] and out["package"]["location"] == str(PACKAGE_DIR)
-    assert set(out["environment"]) == {"vllm", "vllm_supported", "gpu"}
+    assert set(out["environment"]) == {"vllm", "vllm_supported", "gpu", "quartet2_few_token_kernel"}
 
 
 def test_verify_text_names_the_package_vllm_and_gpu(capsys):
@@ -55,6 +55,17 @@ def test_verify_text_names_the_package_vllm_and_gpu(capsys):
     out = capsys.readouterr().out
     assert "verify: ok" in out and f"at {PACKAGE_DIR} (this project's)" in out
     assert "vLLM: " in out and "GPU: " in out and "compute capability" in out
+
+
+def test_verify_says_whether_the_few_token_kernel_is_built(capsys, monkeypatch, tmp_path):
+    from turboquant_vllm.quant.quartet2 import marlin_mma
+
+    monkeypatch.setenv(marlin_mma.DIR_ENV, str(tmp_path))
+    lines, record = environment.environment_report()
+    assert record["quartet2_few_token_kernel"] is None and "marlin_mma build" in lines[-1]
+    marlin_mma.library_path().write_bytes(b"")
+    lines, record = environment.environment_report()
+    assert record["quartet2_few_token_kernel"] == str(marlin_mma.library_path()) and "built (" in lines[-1]
 
 
 def test_our_package_carries_its_mark_and_metadata():

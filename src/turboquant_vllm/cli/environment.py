@@ -85,7 +85,8 @@ def package_check() -> tuple[bool, list[str], dict]:
 
 
 def environment_report() -> tuple[list[str], dict]:
-    """vLLM and GPU: what serving needs, reported by verify (never a failure: verify runs anywhere)."""
+    """vLLM, GPU and the optional native kernel: what serving needs, reported by verify (never a failure: verify runs
+    anywhere)."""
     import torch
 
     version = installed_vllm_version()
@@ -106,5 +107,13 @@ def environment_report() -> tuple[list[str], dict]:
     else:
         gpu_line = (f"GPU: none visible (demo runs the kernels in Triton's interpreter; serving needs an NVIDIA GPU "
                     f"of compute capability >= {need})")
-    return [vllm_line, gpu_line], {"vllm": version, "vllm_supported": bool(version and is_supported_vllm(version)),
-                                   "gpu": gpu}
+    from ..quant.quartet2 import marlin_mma
+
+    library = marlin_mma.library_path()
+    native = str(library) if library.exists() else None
+    native_line = (f"quartet2 few-token kernel: built ({library})" if native else
+                   "quartet2 few-token kernel: not built (optional, -q quartet2's decode of 1-4 tokens a step; "
+                   "python -m turboquant_vllm.quant.quartet2.marlin_mma build, with nvcc)")
+    return [vllm_line, gpu_line, native_line], {"vllm": version,
+                                                "vllm_supported": bool(version and is_supported_vllm(version)),
+                                                "gpu": gpu, "quartet2_few_token_kernel": native}
