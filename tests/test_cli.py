@@ -58,14 +58,14 @@ def test_verify_text_names_the_package_vllm_and_gpu(capsys):
 
 
 def test_verify_says_whether_the_few_token_kernel_is_built(capsys, monkeypatch, tmp_path):
-    from turboquant_vllm.quant.quartet2 import marlin_mma
+    from turboquant_vllm.quant.quartet2 import native
 
-    monkeypatch.setenv(marlin_mma.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path))
     lines, record = environment.environment_report()
     assert record["quartet2_few_token_kernel"] is None and "marlin_mma build" in lines[-1]
-    marlin_mma.library_path().write_bytes(b"")
+    native.library_path().write_bytes(b"")
     lines, record = environment.environment_report()
-    assert record["quartet2_few_token_kernel"] == str(marlin_mma.library_path()) and "built (" in lines[-1]
+    assert record["quartet2_few_token_kernel"] == str(native.library_path()) and "built (" in lines[-1]
 
 
 def test_our_package_carries_its_mark_and_metadata():

@@ -107,9 +107,9 @@ def environment_report() -> tuple[list[str], dict]:
     else:
         gpu_line = (f"GPU: none visible (demo runs the kernels in Triton's interpreter; serving needs an NVIDIA GPU "
                     f"of compute capability >= {need})")
-    from ..quant.quartet2 import marlin_mma
+    from ..quant.quartet2 import native  # no Triton import: verify --kernels may yet need its interpreter
 
-    library = marlin_mma.library_path()
+    library = native.library_path()
     native = str(library) if library.exists() else None
     native_line = (f"quartet2 few-token kernel: built ({library})" if native else
                    "quartet2 few-token kernel: not built (optional, -q quartet2's decode of 1-4 tokens a step; "

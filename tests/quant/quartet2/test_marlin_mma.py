@@ -9,7 +9,7 @@ import torch
 from tests.conftest import DEVICE
 from tests.quant.quartet2.test_marlin import w4a16
 from tests.quant.quartet2.test_marlin_dequant import marlin_layout_on_cpu, weight  # noqa: F401 (a fixture)
-from turboquant_vllm.quant.quartet2 import marlin, marlin_dequant, marlin_mma
+from turboquant_vllm.quant.quartet2 import marlin, marlin_dequant, marlin_mma, native
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -79,21 +79,21 @@ def test_the_split_plan_covers_every_k_tile(padded_n, k, sms):
 
 
 def test_without_the_library_the_path_says_how_to_build_it(monkeypatch, tmp_path):
-    monkeypatch.setenv(marlin_mma.DIR_ENV, str(tmp_path))
-    marlin_mma.load.cache_clear()
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path))
+    native.load.cache_clear()
     try:
-        assert marlin_mma.load() is None
-        assert marlin_mma.library_path().parent == tmp_path
+        assert marlin_mma.load() is None and native.load() is None
+        assert native.library_path().parent == tmp_path
         if DEVICE == "cuda" and torch.cuda.get_device_capability() >= (8, 0):
             assert "marlin_mma build" in marlin_mma.supported(torch.device("cuda"))
         assert marlin_mma.supported(torch.device("cpu")) == "not for a cpu device"
     finally:
-        marlin_mma.load.cache_clear()
+        native.load.cache_clear()
 
 
 def test_the_build_command_targets_ampere_and_hopper(tmp_path):
-    cmd = marlin_mma.nvcc_command(tmp_path / "x.so", "/opt/cuda/bin/nvcc")
-    assert cmd[0] == "/opt/cuda/bin/nvcc" and str(marlin_mma.SOURCE) in cmd
+    cmd = native.nvcc_command(tmp_path / "x.so", "/opt/cuda/bin/nvcc")
+    assert cmd[0] == "/opt/cuda/bin/nvcc" and str(native.SOURCE) in cmd
     assert "-gencode=arch=compute_80,code=sm_80" in cmd and "-gencode=arch=compute_90,code=sm_90" in cmd
 
 

@@ -6,7 +6,7 @@ Each Marlin word is the A fragment of one mma.m16n8k16 once decoded (the weight 
 the weight stored once. Decoding is exact (code * scale fits bf16 and fp16), the tensor cores sum in fp32, and the
 order of every sum is fixed (warps, then K splits in split order), so a call's result does not depend on timing.
 
-The kernel is built once by a documented step (nvcc for sm_80 / sm_90; `python -m
+The kernel is built once by a documented step (native.py: nvcc for sm_80 / sm_90; `python -m
 turboquant_vllm.quant.quartet2.marlin_mma build`) into $TURBOQUANT_NATIVE_DIR (default ~/.cache/turboquant-vllm),
 never inside a request; without the library the path runs Marlin for these token counts. `emulate` is its arithmetic
 in plain PyTorch: the same bit operations on the same words, the same sums in the same order (each mma's 16
@@ -15,63 +15,17 @@ products summed exactly and rounded once to fp32, as far as the tensor core's ow
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from .marlin_dequant import TILE_K, TILE_N
+from .native import build, library_path, load
 
 MAX_TOKENS = 8  # the mma's n: what the kernel takes
 POLICY_TOKENS = 4  # what the marlin path gives it: up to 4 tokens it beats Marlin, at 8 it does not (H100, nvfp4_gemm)
 WARPS = 4  # a CTA's warps, each every fourth k-tile of the CTA's range
-SOURCE = Path(__file__).with_name("marlin_mma.cu")
-DIR_ENV = "TURBOQUANT_NATIVE_DIR"
-ARCHS = ("80", "90")  # mma.sync m16n8k16 and bf16x2 FMA: Ampere and newer
 CTAS_PER_SM = 3  # the split policy's target (the kernel fits 4 an SM; 3 measured best, 2 and 4-6 slower)
-
-
-def library_path() -> Path:
-    """Where the built kernel lives: one file per source version."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    root = Path(os.environ.get(DIR_ENV) or Path.home() / ".cache" / "turboquant-vllm")
-    return root / f"marlin_mma-{digest}.so"
-
-
-def nvcc_command(out: Path, nvcc: str = "nvcc") -> list[str]:
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
-    return [nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", *gencode, "-o", str(out), str(SOURCE)]
-
-
-def build(nvcc: str | None = None) -> Path:
-    """Compiles marlin_mma.cu into library_path() with nvcc (from $CUDA_HOME/bin or PATH); CUDA 12.x or 13.x."""
-    out = library_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if nvcc is None:
-        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-        nvcc = str(Path(home) / "bin" / "nvcc") if home else "nvcc"
-    tmp = out.with_suffix(".tmp.so")
-    subprocess.run(nvcc_command(tmp, nvcc), check=True)
-    tmp.replace(out)
-    return out
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The built kernel, or None if it has not been built (the path then runs Marlin for few tokens)."""
-    path = library_path()
-    if not path.exists():
-        return None
-    lib = ctypes.CDLL(str(path))
-    lib.tq_marlin_mma.restype = ctypes.c_int
-    lib.tq_marlin_mma.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int,
-                                                                                ctypes.c_void_p]
-    return lib
 
 
 def supported(device: torch.device) -> str | None:
