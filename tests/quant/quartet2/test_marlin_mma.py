@@ -115,3 +115,16 @@ def test_flushed_groups_lose_their_codes_only(marlin_layout_on_cpu):  # noqa: F8
     original = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(n, k)  # element 2 i in the low nibble
     assert flushed.any() and not code[flushed].any()
     assert torch.equal(code[~flushed], original[~flushed])
+
+
+def test_a_missing_or_failing_nvcc_is_named(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path))
+    assert marlin_mma.main(["build", str(tmp_path / "no-nvcc")]) == 1
+    assert "no nvcc at" in capsys.readouterr().err
+    failing = tmp_path / "nvcc"
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    failing.chmod(0o755)
+    assert marlin_mma.main(["build", str(failing)]) == 1
+    assert "nvcc failed (exit status 3" in capsys.readouterr().err
+    assert not native.library_path().exists()
+    assert marlin_mma.main([]) == 2

@@ -188,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] != ["build"]:
         print("usage: python -m turboquant_vllm.quant.quartet2.marlin_mma build [NVCC]", file=sys.stderr)
         return 2
-    print(build(args[1] if len(args) > 1 else None))
+    try:
+        print(build(args[1] if len(args) > 1 else None))
+    except RuntimeError as e:
+        print(f"marlin_mma build: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -40,7 +40,15 @@ def build(nvcc: str | None = None) -> Path:
         home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
         nvcc = str(Path(home) / "bin" / "nvcc") if home else "nvcc"
     tmp = out.with_suffix(".tmp.so")
-    subprocess.run(nvcc_command(tmp, nvcc), check=True)
+    try:
+        subprocess.run(nvcc_command(tmp, nvcc), check=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"no nvcc at {nvcc!r}: install a CUDA toolkit (12.x or 13.x) and set CUDA_HOME, or give "
+                           "nvcc's path (python -m turboquant_vllm.quant.quartet2.marlin_mma build /path/to/nvcc)"
+                           ) from None
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"nvcc failed (exit status {e.returncode}; its messages above): the kernel needs CUDA 12.x "
+                           "or 13.x for sm_80 / sm_90") from None
     tmp.replace(out)
     return out
 
