@@ -121,15 +121,19 @@ def scale_dup(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (p << 7) & 0xFFFFFFFF
 
 
+def lane_scale_bytes(sb: torch.Tensor) -> torch.Tensor:
+    """A lane's 8 scale bytes (..., 8), as its group g loads them -> (..., n54, n3): the byte of row
+    16 n54 + g + 8 n3 sits at (n54 >> 1) * 4 + n3 * 2 + (n54 & 1)."""
+    q = torch.tensor([[(n54 >> 1) * 4 + n3 * 2 + (n54 & 1) for n3 in (0, 1)] for n54 in range(4)], device=sb.device)
+    return sb[..., q]
+
+
 def zero_flushed_codes(codes: torch.Tensor, scale_bytes: torch.Tensor) -> None:
     """Zeroes, in place, the codes of every group whose scale byte is zero (a group Marlin flushed: Marlin and the
     dense decoder read it as zeros whatever its codes), so that the kernel needs no test for it. A word holds two
     groups of its k-tile: rows n3 = 0 (nibbles 0, 1, 4, 5) and n3 = 1 (nibbles 2, 3, 6, 7)."""
     n_tiles = scale_bytes.shape[1] // TILE_N
-    sb = scale_bytes.view(torch.uint8).reshape(-1, n_tiles, 8, 8)  # (kt, tile, g, byte)
-    q = torch.tensor([[(n54 >> 1) * 4 + n3 * 2 + (n54 & 1) for n3 in (0, 1)] for n54 in range(4)],
-                     device=sb.device)
-    zero = sb[:, :, :, q] == 0  # (kt, tile, g, n54, n3)
+    zero = lane_scale_bytes(scale_bytes.view(torch.uint8).reshape(-1, n_tiles, 8, 8)) == 0  # (kt, tile, g, n54, n3)
     mask = zero[..., 0].to(torch.int64) * 0x00FF00FF | zero[..., 1].to(torch.int64) * 0xFF00FF00
     words = codes.view(-1, n_tiles, 8, 4, 4)  # (kt, tile, g, t, n54)
     kept = (words.to(torch.int64) & 0xFFFFFFFF) & ~mask[:, :, :, None, :]
@@ -153,8 +157,7 @@ def decoded_weight(codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: in
     w = codes.reshape(-1, n_tiles, 8, 4, 4)[:k_tiles].to(torch.int64) & 0xFFFFFFFF  # (kt, tile, g, t, n54)
     a = halves(decode_words(w, dtype), dtype)  # (kt, tile, g, t, n54, r, h)
     sb = scale_bytes.view(torch.uint8)[:k_tiles].to(torch.int64).reshape(k_tiles, n_tiles, 8, 8)  # (kt, tile, g, byte)
-    q = torch.tensor([[(n54 >> 1) * 4 + n3 * 2 + (n54 & 1) for n3 in (0, 1)] for n54 in range(4)], device=sb.device)
-    byte = sb[:, :, :, q]  # (kt, tile, g, n54, n3)
+    byte = lane_scale_bytes(sb)  # (kt, tile, g, n54, n3)
     s = halves(scale_dup(byte | byte << 16, dtype), dtype)[..., 0]  # both lanes alike
     s = s[:, :, :, None, :, None, None, :].expand(-1, -1, -1, 4, -1, 2, 2, -1)  # (kt, tile, g, t, n54, r>>1, h, n3)
     s = s.permute(0, 1, 2, 3, 4, 5, 7, 6).reshape(k_tiles, n_tiles, 8, 4, 4, 4, 2)  # r = (r >> 1) * 2 + n3
