@@ -29,8 +29,10 @@ from .common import (RESULTS, add_out_argument, child_env, command_line, module_
 # A benchmark of this kind names its rows (--methods), runs each in a fresh process (vLLM engines do not tear down
 # cleanly in one) that builds one LLM and times it (time_requests): output tok/s = output tokens / wall time of one
 # llm.generate over --prompts requests of --input-len random prompt token ids generating --output-len each (greedy,
-# ignore_eos, after a warm-up generate); batch-1 decode latency = (time of one request generating --output-len
-# tokens - time of the same request generating 1) / (--output-len - 1), the median of LATENCY_REPEATS pairs. The
+# ignore_eos, after a warm-up generate), the median of THROUGHPUT_REPEATS runs, each on fresh prompts; the same
+# requests generating 1 token (prefill_s, the median of as many) split a run into its prefill and decode; batch-1
+# decode latency = (time of one request generating --output-len tokens - time of the same request generating 1) /
+# (--output-len - 1), the median of LATENCY_REPEATS pairs. The
 # child prints its row as one `<TAG> <json>` line (emit_row); the parent (measure_row) adds what the child's log says
 # (the kernel its linear layers run, the weights' and KV cache's GiB, the last error), writes the log, and stops a
 # child past --timeout with its engine processes. run_rows writes the results after every row, so a cut-off run
@@ -40,6 +42,7 @@ from .common import (RESULTS, add_out_argument, child_env, command_line, module_
 ROW_PROMPTS, ROW_INPUT_LEN, ROW_OUTPUT_LEN, ROW_LAYERS = 1000, 1024, 128, 32
 ROWS_MODEL = "llama3-8b"  # the model those defaults are of, first in the result names
 LATENCY_REPEATS = 3
+THROUGHPUT_REPEATS = 3
 WARMUP_PROMPTS = 16
 LOG_FACT_PATTERNS = {
     "weights_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
@@ -165,11 +168,17 @@ def time_requests(llm, vocab: int, prompts: int, input_len: int, output_len: int
     generate(random_prompts(WARMUP_PROMPTS), output_len)
     one = random_prompts(1)
     generate(one, output_len)
-    seconds, tokens = generate(random_prompts(prompts), output_len)
-    assert tokens == prompts * output_len, (tokens, prompts * output_len)
+    runs = []
+    for _ in range(THROUGHPUT_REPEATS):
+        run_seconds, tokens = generate(random_prompts(prompts), output_len)
+        assert tokens == prompts * output_len, (tokens, prompts * output_len)
+        runs.append(run_seconds)
+    prefills = [generate(random_prompts(prompts), 1)[0] for _ in range(THROUGHPUT_REPEATS)]
+    seconds = statistics.median(runs)
     row = dict(prompts=prompts, input_len=input_len, output_len=output_len, seconds=seconds, output_tokens=tokens,
                output_tok_s=tokens / seconds, total_tok_s=prompts * (input_len + output_len) / seconds,
-               requests_s=prompts / seconds)
+               requests_s=prompts / seconds, runs_s=runs, prefill_s=statistics.median(prefills),
+               prefill_runs_s=prefills)
     pairs = [(generate(one, 1)[0], generate(one, output_len)[0]) for _ in range(LATENCY_REPEATS)]
     row["decode_latency_ms"] = statistics.median(1000 * (full - first) / (output_len - 1) for first, full in pairs)
     row["first_token_ms"] = statistics.median(1000 * first for first, _ in pairs)
@@ -316,11 +325,20 @@ def shape_text(model: dict) -> str:
             f"heads, head_dim {model['head_dim']}, vocab {model['vocab_size']}")
 
 
+def run_split_cell(row: dict) -> str:
+    """The throughput run's median seconds = its prefill (the requests generating 1 token) + the rest."""
+    if row.get("prefill_s") is None:
+        return ""
+    return f"{row['seconds']:.3f} = {row['prefill_s']:.3f} + {row['seconds'] - row['prefill_s']:.3f}"
+
+
 def timing_text(settings: dict) -> str:
     """How the two speed columns were measured."""
     return (f"Output tok/s: {settings['prompts']} requests of {settings['input_len']} prompt tokens generating "
             f"{settings['output_len']} each, one llm.generate (vLLM's default scheduling, CUDA graphs as the column "
-            f"says, no prefix caching, gpu_memory_utilization {settings['gpu_memory_utilization']}). Batch-1 decode "
+            f"says, no prefix caching, gpu_memory_utilization {settings['gpu_memory_utilization']}), the median of "
+            f"{THROUGHPUT_REPEATS} runs on fresh prompts (one run in rows without a run's split); run s = prefill + "
+            f"decode: the run's median seconds, the same requests generating 1 token, the rest. Batch-1 decode "
             f"ms/token: (one request generating {settings['output_len']} tokens - the same generating 1) / "
             f"{settings['output_len'] - 1}, median of {LATENCY_REPEATS}."
             + (f" Tensor parallel {settings['tensor_parallel_size']}: each engine over that many GPUs."
@@ -556,6 +574,7 @@ class WeightRows(abc.ABC):
             ("kernel", kernel_cell),
             ("output tok/s", lambda r: fmt(r.get("output_tok_s"), ",.0f")),
             (f"vs {versus}", lambda r: ratio_cell(r, f"output_tok_s_vs_{key}")),
+            ("run s = prefill + decode", run_split_cell),
             ("batch-1 decode ms/token", lambda r: fmt(r.get("decode_latency_ms"), ".2f")),
             (f"decode speed vs {versus}", lambda r: ratio_cell(r, f"decode_speed_vs_{key}")),
             ("CUDA graphs", lambda r: (r.get("cudagraph_mode") or "").lower()),

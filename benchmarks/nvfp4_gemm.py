@@ -66,9 +66,8 @@ def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
     exact = linear.unscaled_values(w.packed, w.scales).double() * w.tensor_scale.double()
     dense = exact.to(torch.bfloat16)  # exact: at most 7 significant bits
     m = marlin.prepare(w, torch.bfloat16)
-    t = marlin_dequant.tables(m.weight.device, torch.bfloat16)
     out = marlin_dequant.reserve_scratch(n * k, "cuda", torch.bfloat16)
-    ms = common.time_ms(lambda: marlin_dequant.dequantize(m.weight, m.weight_scale, t, n, k, out))
+    ms = common.time_ms(lambda: marlin_dequant.dequantize(m.weight, m.weight_scale, n, k, out))
     nvfp4_bytes = n * k // 2 + n * k // 16
     rows = [dict(K=k, N=n, tokens=0, path="decode", time_ms=ms, weight_gbps=(nvfp4_bytes + 2 * n * k) / ms / 1e6)]
     print(line(rows[-1]), flush=True)

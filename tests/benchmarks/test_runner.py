@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -250,3 +251,25 @@ def test_rows_main_writes_results_and_summary_after_every_row(tmp_path, monkeypa
     assert "| ours |  | k | 10 | 0.50x | 1.00 | 1.00x |" in md
     assert "median of 3. Ratios: against the base row.\n\nMeasured by:\n- base, ours: `python -m benchmarks toy" in md
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_row_takes_the_median_of_its_runs_and_splits_it_at_the_prefill(monkeypatch):
+    """time_requests on a stand-in engine whose clock moves 1 ms a generated token and 0.1 s a call (3 ms on the
+    second run): warm-up, the throughput runs, the prefill-only runs, then the batch-1 pairs, in that order."""
+    calls, clock = [], [0.0]
+
+    class Engine:
+        def generate(self, batch, params, use_tqdm):
+            calls.append((len(batch), params.max_tokens))
+            clock[0] += 0.1 + 0.001 * len(batch) * params.max_tokens + (0.003 if len(calls) == 4 else 0)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * params.max_tokens)]) for _ in batch]
+
+    monkeypatch.setattr(engine_rows.time, "perf_counter", lambda: clock[0])
+    row = engine_rows.time_requests(Engine(), 100, prompts=8, input_len=5, output_len=4)
+    runs = engine_rows.THROUGHPUT_REPEATS
+    assert calls == ([(engine_rows.WARMUP_PROMPTS, 4), (1, 4)] + [(8, 4)] * runs + [(8, 1)] * runs
+                     + [(1, 1), (1, 4)] * engine_rows.LATENCY_REPEATS)
+    assert row["runs_s"] == pytest.approx([0.132, 0.135, 0.132]) and row["seconds"] == pytest.approx(0.132)
+    assert row["prefill_s"] == pytest.approx(0.108) and row["output_tok_s"] == pytest.approx(32 / 0.132)
+    assert engine_rows.run_split_cell(row) == "0.132 = 0.108 + 0.024"
+    assert engine_rows.run_split_cell({"seconds": 1.0}) == ""  # a row measured before the split

@@ -99,7 +99,7 @@ def test_the_decoder_reads_the_real_repack_exactly(shape, dtype):
     want = linear.unscaled_values(w.packed, w.scales) * (float(w.tensor_scale) / m.dense_alpha)
     want[marlin.marlin_flushed_groups(w.scales, dtype).repeat_interleave(nvfp4.GROUP, dim=1)] = 0
     out = torch.full((n * k + 7,), float("nan"), dtype=dtype, device="cuda")
-    assert torch.equal(marlin_dequant.dequantize(m.weight, m.weight_scale, t, n, k, out).float(), want)
+    assert torch.equal(marlin_dequant.dequantize(m.weight, m.weight_scale, n, k, out).float(), want)
     assert out[n * k:].isnan().all()
     assert torch.equal(marlin_dequant.dequantize_reference(m.weight, m.weight_scale, t, n, k), want)
 

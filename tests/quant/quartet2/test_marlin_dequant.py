@@ -1,6 +1,7 @@
 """The marlin path's large-batch GEMM (quant.quartet2.marlin_dequant) on the CPU: Marlin's layout made by vLLM's own
 prepare_fp4_layer_for_marlin, its one CUDA op (gptq_marlin_repack) replaced by vLLM's plain-PyTorch reference of it;
-the probed tables, the PyTorch and Triton (interpreter) decoders against our exact NVFP4 values, and the dense GEMM
+the probed tables (the layout the decoder is written for), the PyTorch and Triton (interpreter) decoders against our
+exact NVFP4 values, and the dense GEMM
 against the W4A16 reference. On the GPU, with the real repack: test_gpu_marlin.py."""
 
 import pytest
@@ -52,6 +53,18 @@ def test_the_probed_tables_are_one_permutation_of_the_tile(marlin_layout_on_cpu)
     assert not torch.equal(t.scale_column.cpu(), torch.arange(64, dtype=torch.int32))  # a permutation, not none
 
 
+def test_the_decoder_is_written_for_the_layout_vllm_makes(marlin_layout_on_cpu):
+    t = marlin_dequant.tables(torch.device(DEVICE), torch.bfloat16)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(t, marlin_dequant.tile_layout()))
+
+
+def test_another_tiled_layout_is_refused_with_the_way_out(marlin_layout_on_cpu, monkeypatch):
+    word, shift = marlin_dequant.tile_layout()[:2]
+    monkeypatch.setattr(marlin_dequant, "weight_tables", lambda repack: (word.flip(1), shift))
+    with pytest.raises(RuntimeError, match="TURBOQUANT_QUARTET2_DENSE_MIN_TOKENS=0"):
+        marlin_dequant.tables(torch.device(DEVICE), torch.bfloat16)
+
+
 def test_a_layout_that_is_not_tiled_is_refused():
     with pytest.raises(RuntimeError, match="not one permutation per 16 x 64 tile"):
         marlin_dequant.weight_tables(lambda q, k, n: torch.arange(k // 8 * n, dtype=torch.int32).reshape(-1, 2 * n))
@@ -73,7 +86,7 @@ def test_both_decoders_read_marlins_layout_exactly(marlin_layout_on_cpu, dtype, 
     want[flushed.repeat_interleave(nvfp4.GROUP, dim=1)] = 0
     assert torch.equal(marlin_dequant.dequantize_reference(m.weight, m.weight_scale, t, n, k), want)
     out = torch.full((n * k + 7,), float("nan"), dtype=dtype, device=DEVICE)  # poisoned, and longer than the weight
-    got = marlin_dequant.dequantize(m.weight, m.weight_scale, t, n, k, out)
+    got = marlin_dequant.dequantize(m.weight, m.weight_scale, n, k, out)
     assert got.shape == (n, k) and torch.equal(got.float(), want)
     assert out[n * k:].isnan().all()  # nothing written past the weight
 

@@ -32,6 +32,7 @@ from .dequantize import e2m1_value
 
 TILE_K, TILE_N = 16, 64  # Marlin's weight tile
 DENSE_MIN_TOKENS = 512  # from here on decode + cuBLAS beats Marlin on every measured layer (the GEMM table above)
+DECODE_K_TILES = 16  # k-tiles a decoder program takes (with one 64-column tile)
 
 
 class MarlinTables(NamedTuple):
@@ -115,7 +116,11 @@ def tables(device: torch.device, dtype: torch.dtype) -> MarlinTables:
         return ops.gptq_marlin_repack(q.to(device), perm, size_k, size_n, 4).cpu()
 
     word, shift = weight_tables(repack)
-    return MarlinTables(word.to(device), shift.to(device), scale_columns(vllm_scale_process(dtype)).to(device))
+    t = MarlinTables(word, shift, scale_columns(vllm_scale_process(dtype)))
+    if not all(torch.equal(a.cpu(), b) for a, b in zip(t, tile_layout())):
+        raise RuntimeError("this vLLM's Marlin layout is not the one the NVFP4 decoder reads (tile_layout): run with "
+                           "TURBOQUANT_QUARTET2_DENSE_MIN_TOKENS=0 (Marlin for every token count), or vllm 0.25")
+    return MarlinTables(*(a.to(device) for a in t))
 
 
 def dequantize_reference(codes: torch.Tensor, scale_bytes: torch.Tensor, t: MarlinTables, n: int,
@@ -133,32 +138,52 @@ def dequantize_reference(codes: torch.Tensor, scale_bytes: torch.Tensor, t: Marl
     return value * scale / 128
 
 
+def tile_layout() -> MarlinTables:
+    """The tables of the layout the decoder is written for (CPU): word n_lo * 16 + k21 * 4 + n54 holds, in nibble
+    k0 * 4 + n3 * 2 + k3, the code of n = n_lo + 8 n3 + 16 n54, k = k0 + 2 k21 + 8 k3; the scale of column
+    n_lo + 8 n3 + 16 n54 sits at 8 n_lo + (n54 >> 1) * 4 + n3 * 2 + (n54 & 1)."""
+    k, n = torch.meshgrid(torch.arange(TILE_K), torch.arange(TILE_N), indexing="ij")
+    k0, k21, k3 = k % 2, k // 2 % 4, k // 8
+    n_lo, n3, n54 = n % 8, n // 8 % 2, n // 16
+    word = n_lo * 16 + k21 * 4 + n54
+    shift = 4 * (k0 * 4 + n3 * 2 + k3)
+    c = torch.arange(TILE_N)
+    column = 8 * (c % 8) + (c // 16 >> 1) * 4 + c // 8 % 2 * 2 + (c // 16 & 1)
+    return MarlinTables(word.to(torch.int32), shift.to(torch.int32), column.to(torch.int32))
+
+
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, word_ptr, shift_ptr, column_ptr, out_ptr, N, K, padded_n,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (n[:, None] < N) & (k[None, :] < K)
-    place = (k[None, :] % 16) * 64 + (n[:, None] % 64)
-    word = tl.load(word_ptr + place)
-    shift = tl.load(shift_ptr + place)
-    tile_row = k[None, :] // 16
-    words = tl.load(codes_ptr + tile_row * (2 * padded_n) + (n[:, None] // 64) * 128 + word, mask=mask, other=0)
-    code = (words >> shift) & 15
-    column = (n // 64) * 64 + tl.load(column_ptr + n % 64)
-    byte = tl.load(scales_ptr + tile_row * padded_n + column[:, None], mask=mask, other=0)
-    scale = (byte.to(tl.int16) << 7).to(tl.float16, bitcast=True)
-    value = e2m1_value(code) * scale.to(tl.float32) * 0.0078125  # 2^-7: the scale byte's 2^7
-    tl.store(out_ptr + n[:, None] * K + k[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
+def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, N, K, padded_n, KT: tl.constexpr):
+    """One 64-column tile by KT k-tiles: its words and scale bytes read in Marlin's order (contiguous), decoded, and
+    put in (n, k) order by reshapes (tile_layout's bit fields as axes), one permute each."""
+    ntile = tl.program_id(0)
+    kt = tl.program_id(1) * KT + tl.arange(0, KT)
+    kt_ok = kt < K // 16
+    row = kt.to(tl.int64)[:, None]
+    words = tl.load(codes_ptr + row * (2 * padded_n) + ntile * 128 + tl.arange(0, 128)[None, :], mask=kt_ok[:, None],
+                    other=0)
+    code = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15  # (kt, word, nibble)
+    # (kt, n_lo, k21, n54, k0, n3, k3) -> (n54, n3, n_lo, kt, k3, k21, k0) = (n, k)
+    value = tl.reshape(tl.permute(tl.reshape(e2m1_value(code), (KT, 8, 4, 4, 2, 2, 2)), (3, 5, 1, 0, 6, 2, 4)),
+                       (64, KT, 16))
+    byte = tl.load(scales_ptr + row * padded_n + ntile * 64 + tl.arange(0, 64)[None, :], mask=kt_ok[:, None],
+                   other=0)
+    scale = (byte.to(tl.int16) << 7).to(tl.float16, bitcast=True).to(tl.float32) * 0.0078125  # 2^-7: the byte's 2^7
+    # (kt, n_lo, n54 >> 1, n3, n54 & 1) -> (n54 >> 1, n54 & 1, n3, n_lo, kt) = (n, kt)
+    scale = tl.reshape(tl.permute(tl.reshape(scale, (KT, 8, 2, 2, 2)), (2, 4, 3, 1, 0)), (64, KT))
+    w = tl.reshape(value * scale[:, :, None], (64, KT * 16))
+    n = ntile * 64 + tl.arange(0, 64)
+    k = tl.program_id(1) * KT * 16 + tl.arange(0, KT * 16)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(n[:, None] < N) & (k[None, :] < K))
 
 
-def dequantize(codes: torch.Tensor, scale_bytes: torch.Tensor, t: MarlinTables, n: int, k: int,
-               out: torch.Tensor) -> torch.Tensor:
-    """out[:n * k] viewed (n, k) <- code * fp16(byte << 7) * 2^-7 in out's dtype (exact): the Triton decoder."""
+def dequantize(codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """out[:n * k] viewed (n, k) <- code * fp16(byte << 7) * 2^-7 in out's dtype (exact): the Triton decoder, for
+    Marlin's layout as tile_layout() states it (tables() checks vLLM's against it)."""
     w = out[:n * k].view(n, k)
-    grid = (triton.cdiv(n, 64), triton.cdiv(k, 64))
-    _dequantize_kernel[grid](codes, scale_bytes.view(torch.uint8), t.word, t.shift, t.scale_column, w, n, k,
-                             scale_bytes.shape[1], BLOCK_N=64, BLOCK_K=64)
+    grid = (triton.cdiv(n, TILE_N), triton.cdiv(k // TILE_K, DECODE_K_TILES))
+    _dequantize_kernel[grid](codes, scale_bytes.view(torch.uint8), w, n, k, scale_bytes.shape[1], KT=DECODE_K_TILES)
     return w
 
 
@@ -179,5 +204,5 @@ def dense_linear(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor
                  alpha: float) -> torch.Tensor:
     """alpha * x W^T for x (M, K) with W decoded from Marlin's layout into the shared scratch, one cuBLAS call: its
     fp32 sums scaled by alpha and rounded once to x's dtype."""
-    w = dequantize(codes, scale_bytes, tables(x.device, x.dtype), n, k, reserve_scratch(n * k, x.device, x.dtype))
+    w = dequantize(codes, scale_bytes, n, k, reserve_scratch(n * k, x.device, x.dtype))
     return torch.addmm(x.new_zeros(()), x, w.t(), beta=0, alpha=alpha)
