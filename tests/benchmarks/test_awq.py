@@ -166,8 +166,8 @@ def test_write_ratios_failed_rows_and_plot(tmp_path):
     assert got["awq:triton"]["output_tok_s_vs_best_vllm"] is None and got["awq:triton"]["error"]
     md = (tmp_path / "awq.md").read_text()
     assert md.startswith("<sub>`python -m benchmarks awq` at commit ")
-    assert "| awq_turbomind | auto | turbomind 0.0.2 | 3,000 | 1.20x | 6.00 | 1.33x | none | 460,000 |  |" in md
-    assert "| awq_marlin | auto | MacheteLinearKernel | 2,000 | 0.80x | 8.00 | 1.00x |  | 450,000 | 5.44 |" in md
+    assert "| awq_turbomind | auto | turbomind 0.0.2 | 3,000 | 1.20x |  | 6.00 | 1.33x | none | 460,000 |  |" in md
+    assert "| awq_marlin | auto | MacheteLinearKernel | 2,000 | 0.80x |  | 8.00 | 1.00x |  | 450,000 | 5.44 |" in md
     assert "| awq | triton | TritonW4A16LinearKernel **failed**: timed out after 300 s |  |  |  |  |  |  |  |" in md
     assert "best vLLM throughput: awq_marlin:marlin (MarlinLinearKernel)" in md
     assert "best vLLM batch-1 decode: awq_marlin (MacheteLinearKernel)" in md

@@ -187,11 +187,11 @@ def test_write_ratios_vs_bf16_failed_rows_and_plot(tmp_path):
     assert got["quartet2:emulate"]["output_tok_s_vs_bf16"] is None and got["quartet2:emulate"]["error"]
     md = (tmp_path / "w.md").read_text()
     assert md.startswith("<sub>`python -m benchmarks weights` at commit ")
-    assert ("| method | quartet2 path | kernel | output tok/s | vs bf16 | batch-1 decode ms/token | decode speed vs "
-            "bf16 | CUDA graphs | KV cache tokens | weights GiB |") in md
-    assert ("| bf16 |  | UnquantizedLinearMethod (bf16 matmul) | 2,000 | 1.00x | 8.00 | 1.00x | full_and_piecewise "
+    assert ("| method | quartet2 path | kernel | output tok/s | vs bf16 | run s = prefill + decode | "
+            "batch-1 decode ms/token | decode speed vs bf16 | CUDA graphs | KV cache tokens | weights GiB |") in md
+    assert ("| bf16 |  | UnquantizedLinearMethod (bf16 matmul) | 2,000 | 1.00x |  | 8.00 | 1.00x | full_and_piecewise "
             "| 400,000 | 14.96 |") in md
-    assert ("| quartet2 | auto | Marlin FP4 W4A16 (quartet2 marlin) | 1,600 | 0.80x | 3.20 | 2.50x |  | 480,000 | "
+    assert ("| quartet2 | auto | Marlin FP4 W4A16 (quartet2 marlin) | 1,600 | 0.80x |  | 3.20 | 2.50x |  | 480,000 | "
             "5.61 |") in md
     assert "| quartet2 | emulate | **failed**: timed out after 300 s |  |  |  |  |  |  |  |" in md
     assert "- bf16, fp8: `run A`" in md and "- quartet2, quartet2:emulate: `run B`" in md
@@ -412,7 +412,7 @@ def test_write_cloverlm_results(tmp_path):
     md = (tmp_path / "c.md").read_text()
     assert "vs bf16 weights, CloverLM-4B shape: 29 layers, hidden 3584" in md
     assert "modelopt_fp4: random NVFP4 parameters loaded as they are" in md
-    assert "| modelopt_fp4 |  | MarlinNvFp4LinearKernel | 4,300 | 1.07x | 1.70 | 2.35x |" in md
+    assert "| modelopt_fp4 |  | MarlinNvFp4LinearKernel | 4,300 | 1.07x |  | 1.70 | 2.35x |" in md
     assert (tmp_path / "c.png").stat().st_size > 0
 
 
