@@ -131,10 +131,10 @@ def line(r: dict) -> str:
             f"{r['tflops']:.1f} | {r['rel_error']:.2e}{' NaN' if r['nan'] else ''} |")
 
 
-def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens: int) -> str:
+def markdown(rows: list[dict], blocks: list[dict], model: str, dense_min_tokens: int, policy_tokens: int) -> str:
     out = [f"NVFP4 weight GEMM (W4A16, bf16 activations), {model}'s linear layers (K x N), random weights quantized by "
-           f"the 4/6 rule. policy: the native few-token kernel (mma) up to 4 tokens where built, Marlin below "
-           f"{dense_min_tokens} tokens, the weight decoded for cuBLAS from there. "
+           f"the 4/6 rule. policy: the native few-token kernel (mma) up to {policy_tokens} tokens where built, Marlin "
+           f"below {dense_min_tokens} tokens, the weight decoded for cuBLAS from there. "
            "decode rows: the decoder alone (GB/s: codes and scales read + bf16 written). Weight GB/s: the path's "
            "weight bytes (NVFP4: 0.5625 B a weight; dense: 2) / time.", ""]
     if blocks:
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     meta = common.print_header(common.command_line(NAME, argv))
     from benchmarks.awq_gemm import vllm_process_group
-    from turboquant_vllm.quant.quartet2 import marlin
+    from turboquant_vllm.quant.quartet2 import marlin, marlin_mma
 
     vllm_process_group()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -178,10 +178,11 @@ def main(argv: list[str] | None = None) -> None:
         rows += run(k, n, [int(t) for t in args.tokens.split(",")], gen)
         torch.cuda.empty_cache()
     stem = common.stem_of(args.out) if args.out else common.result_stem(NAME, args.model)
-    doc = {"rows": rows, "blocks": blocks, "meta": {"model": args.model, "dense_min_tokens": marlin.dense_threshold()}}
+    doc = {"rows": rows, "blocks": blocks, "meta": {"model": args.model, "dense_min_tokens": marlin.dense_threshold(),
+                                                    "policy_tokens": marlin_mma.POLICY_TOKENS}}
     common.write_json(common.with_ext(stem, ".json"), doc, meta)
-    common.write_markdown(common.with_ext(stem, ".md"), markdown(rows, blocks, args.model, marlin.dense_threshold()),
-                          meta)
+    text = markdown(rows, blocks, args.model, marlin.dense_threshold(), marlin_mma.POLICY_TOKENS)
+    common.write_markdown(common.with_ext(stem, ".md"), text, meta)
     print(f"wrote {stem}.json / .md", flush=True)
 
 

@@ -18,7 +18,7 @@ def blocks():
 
 
 def test_markdown_has_every_row_and_the_speed_against_dense():
-    md = nvfp4_gemm.markdown(rows(), blocks(), "cloverlm-4b", 512)
+    md = nvfp4_gemm.markdown(rows(), blocks(), "cloverlm-4b", 512, 8)
     assert "| 64x128 | - | decode | 0.0100 | 2000 | - | - |" in md
     assert "| 64x128 | 1024 | marlin | 0.0400 |" in md
     assert "| 64x128 | 1024 | 0.50x | - | 0.80x | 0.80x |" in md
@@ -28,7 +28,7 @@ def test_markdown_has_every_row_and_the_speed_against_dense():
 
 
 def test_markdown_without_block_rows_has_no_block_table():
-    md = nvfp4_gemm.markdown(rows(), [], "cloverlm-4b", 512)
+    md = nvfp4_gemm.markdown(rows(), [], "cloverlm-4b", 512, 8)
     assert "µs / block" not in md and "| 64x128 | 1024 | marlin | 0.0400 |" in md
 
 

@@ -112,7 +112,7 @@ def environment_report() -> tuple[list[str], dict]:
     library = native.library_path()
     native = str(library) if library.exists() else None
     native_line = (f"quartet2 few-token kernel: built ({library})" if native else
-                   "quartet2 few-token kernel: not built (optional, -q quartet2's decode of 1-4 tokens a step; "
+                   "quartet2 few-token kernel: not built (optional, -q quartet2's GEMMs of 1-8 tokens (decode steps); "
                    "python -m turboquant_vllm.quant.quartet2.marlin_mma build, with nvcc)")
     return [vllm_line, gpu_line, native_line], {"vllm": version,
                                                 "vllm_supported": bool(version and is_supported_vllm(version)),

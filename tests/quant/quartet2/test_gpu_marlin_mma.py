@@ -3,7 +3,8 @@ turboquant_vllm.quant.quartet2.marlin_mma build`) over Marlin's real layout (vLL
 PyTorch emulation (the same decode, the same sums in the same order; the tensor core's rounding inside one mma may
 differ: a last-bit difference in a few outputs) and against the W4A16 reference (one rounding of fp32 sums, as
 test_gpu_marlin.py bounds it); poisoned outputs, every token count 1-8, both activation dtypes, padded shapes,
-repeat calls and CUDA-graph replays bit-identical.
+repeat calls and CUDA-graph replays bit-identical, the K splits added in a cluster (sm_90) or through global memory
+giving the same bits.
 
     pytest -m gpu tests/quant/quartet2/test_gpu_marlin_mma.py
 """
@@ -77,11 +78,51 @@ def test_the_op_takes_it_up_to_the_policys_tokens_and_marlin_beyond():
         assert_w4a16(y, x, quantized(n, k))
 
 
-def test_repeats_and_graph_replays_are_bit_identical():
-    n, k = 3584, 14336  # 10 K splits on an H100: the last-CTA reduction and its counters
+def splits_of(m) -> int:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return marlin_mma.split_plan(m.weight_scale.shape[1], m.size_k, sms)[0]
+
+
+@pytest.mark.parametrize("shape", [(5376, 3584), (3584, 14336), (1000, 1040), (136, 496)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_cluster_sum_is_the_global_sum(shape):
+    n, k = shape
+    if torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("thread-block clusters need sm_90")
+    m = prepared(n, k, torch.bfloat16)
+    assert 1 < splits_of(m) <= marlin_mma.MAX_CLUSTER and marlin_mma.clusters(torch.device("cuda"), splits_of(m))
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    for dtype in (torch.bfloat16, torch.float16):
+        md = prepared(n, k, dtype)
+        for tokens in (1, 3, 8):
+            x = torch.randn(tokens, k, generator=gen, device="cuda").to(dtype)
+            a, b = (marlin_mma.gemm(x, md.weight, md.weight_scale, n, k, md.dense_alpha,
+                                    torch.full((tokens, n), float("nan"), dtype=dtype, device="cuda"), cluster=c)
+                    for c in (True, False))
+            assert torch.equal(a, b) and not a.isnan().any()
+
+
+def test_more_splits_than_a_cluster_holds_go_through_global_memory():
+    m = prepared(64, 4096, torch.bfloat16)  # one n-tile: the plan wants as many splits as the k-tiles allow
+    assert splits_of(m) > marlin_mma.MAX_CLUSTER and not marlin_mma.clusters(torch.device("cuda"), splits_of(m))
+    x = torch.randn(2, 4096, device="cuda").to(torch.bfloat16)
+    assert_w4a16(call(x, m), x, quantized(64, 4096))
+    with pytest.raises(ValueError, match="cluster"):
+        marlin_mma.gemm(x, m.weight, m.weight_scale, m.size_n, m.size_k, m.dense_alpha, cluster=True)
+
+
+@pytest.mark.parametrize("cluster", [True, False], ids=["cluster-sum", "global-sum"])
+def test_repeats_and_graph_replays_are_bit_identical(cluster):
+    n, k = 3584, 14336  # 8 K splits on an H100
+    if cluster and torch.cuda.get_device_capability(0) < (9, 0):
+        pytest.skip("thread-block clusters need sm_90")
     m = prepared(n, k, torch.bfloat16)
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(4, k, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def call(x, m):
+        return marlin_mma.gemm(x, m.weight, m.weight_scale, m.size_n, m.size_k, m.dense_alpha, cluster=cluster)
+
     first = call(x, m)
     assert all(torch.equal(call(x, m), first) for _ in range(20))
     static_x = x.clone()

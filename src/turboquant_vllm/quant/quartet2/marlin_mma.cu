@@ -7,7 +7,9 @@
 // (each nibble's magnitude bits into a 16-bit float's mantissa / exponent, a constant power of two off) and one
 // multiply by the group's scale, exact in bf16 and fp16 (at most 6 significant bits); the power of two goes into alpha.
 // The tensor cores sum in fp32; warps of a CTA take every fourth k-tile and add up in a fixed order, CTAs split K and
-// the last one of an n-tile adds the splits' partials in split order: the result does not depend on timing.
+// their sums are added in split order: on sm_90 by split 0 from the others' shared memory (the splits of an n-tile are
+// one thread-block cluster, at most 8), else by the last CTA of the n-tile from global partials. Either way the result
+// does not depend on timing, and the two give the same bits.
 //
 // Scales: Marlin's byte per (k-tile, n), the top byte of fp16(scale * factor * 2^7) << 1, at column
 // 8 n_lo + (n54 >> 1) * 4 + n3 * 2 + (n54 & 1) of its 64-column block. A zero byte is a group Marlin flushed; its codes
@@ -17,6 +19,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <cooperative_groups.h>
 
 namespace {
 
@@ -24,6 +27,7 @@ constexpr int WARPS = 4;   // a CTA: four warps on one n-tile
 constexpr int CHUNK = 4;   // k-tiles a warp loads at once (two chunks in flight)
 constexpr int MIN_CTAS = 4;  // CTAs an SM (128 registers a thread): more warps to hide the loads' latency
 constexpr int TOKENS = 8;  // the mma's n: tokens a call takes at most
+constexpr int MAX_CLUSTER = 8;  // CTAs a portable thread-block cluster holds: the most splits the cluster sum takes
 
 // One Marlin word -> the mma's A fragment, by shifts alone: register r takes nibbles (j, j + 4) (j = 0, 2, 1, 3 for
 // r = 0..3, the lower k in the low half), each nibble's 3 magnitude bits (e1 e0 m) placed at the top of the 16-bit
@@ -129,13 +133,84 @@ __device__ __forceinline__ void compute_chunk(const Chunk& ck, float c[4][4]) {
   }
 }
 
+// A CTA's outputs: its warps' sums (one thread an output (n, token) of the M tokens, e = token * 64 + n), the K
+// splits' added in split order.
+using WarpSums = float[WARPS][TOKENS][64];
+
+__device__ __forceinline__ float cta_sum(const WarpSums& sums, int tok, int n) {
+  return ((sums[0][tok][n] + sums[1][tok][n]) + sums[2][tok][n]) + sums[3][tok][n];
+}
+
+// The splits of an n-tile are one cluster: split 0 reads the others' sums from their shared memory.
 template <bool BF16>
+__device__ __forceinline__ void cluster_sum(const WarpSums& sums, uint16_t* out, int M, int N, int ntile, int split,
+                                            int splits, float alpha) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  __shared__ float total[TOKENS * 64];
+  const cg::cluster_group cluster = cg::this_cluster();
+  for (int e = threadIdx.x; e < M * 64; e += WARPS * 32) total[e] = cta_sum(sums, e >> 6, e & 63);
+  cluster.sync();
+  if (split == 0) {
+    for (int e = threadIdx.x; e < M * 64; e += WARPS * 32) {
+      const int gn = ntile * 64 + (e & 63);
+      float sum = 0.f;
+      for (int sp = 0; sp < splits; ++sp) sum += cluster.map_shared_rank(total, sp)[e];
+      if (gn < N) out[(size_t)(e >> 6) * N + gn] = to_half_bits<BF16>(alpha * sum);
+    }
+  }
+  cluster.sync();  // every CTA's shared memory stays until split 0 has read it
+#endif
+}
+
+// Through global memory: each split's sums to partial, the n-tile's last CTA (its counter) adds them.
+template <bool BF16>
+__device__ __forceinline__ void global_sum(const WarpSums& sums, float* partial, int* counters, uint16_t* out, int M,
+                                           int N, int padded_n, int ntile, int split, int splits, float alpha) {
+  __shared__ int last;
+  for (int e = threadIdx.x; e < M * 64; e += WARPS * 32) {
+    const int n = e & 63, tok = e >> 6, gn = ntile * 64 + n;
+    const float sum = cta_sum(sums, tok, n);
+    if (splits == 1) {
+      if (gn < N) out[(size_t)tok * N + gn] = to_half_bits<BF16>(alpha * sum);
+    } else {
+      partial[((size_t)split * TOKENS + tok) * padded_n + gn] = sum;
+    }
+  }
+  if (splits == 1) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counters + ntile, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < M * 64; e += WARPS * 32) {
+    const int n = e & 63, tok = e >> 6, gn = ntile * 64 + n;
+    if (gn >= N) continue;
+    const float* p = partial + (size_t)tok * padded_n + gn;
+    const size_t stride = (size_t)TOKENS * padded_n;
+    float sum = 0.f;
+    int sp = 0;
+    for (; sp + 4 <= splits; sp += 4) {  // four loads in flight, added in split order
+      const float p0 = __ldcg(p + sp * stride), p1 = __ldcg(p + (sp + 1) * stride);
+      const float p2 = __ldcg(p + (sp + 2) * stride), p3 = __ldcg(p + (sp + 3) * stride);
+      sum += p0;
+      sum += p1;
+      sum += p2;
+      sum += p3;
+    }
+    for (; sp < splits; ++sp) sum += __ldcg(p + sp * stride);
+    out[(size_t)tok * N + gn] = to_half_bits<BF16>(alpha * sum);
+  }
+  if (threadIdx.x == 0) counters[ntile] = 0;  // ready for the next call (CUDA-graph replays included)
+}
+
+template <bool BF16, bool CLUSTER>
 __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) marlin_mma_kernel(
     const uint32_t* __restrict__ x, const int4* __restrict__ codes, const uint8_t* __restrict__ scales,
     float* __restrict__ partial, int* __restrict__ counters, uint16_t* __restrict__ out, int M, int N, int K,
     int padded_n, int tiles_per_split, float alpha) {
   __shared__ float sums[WARPS][TOKENS][64];  // n fastest: the reads below are conflict-free
-  __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int ntile = blockIdx.x, split = blockIdx.y;
@@ -172,65 +247,47 @@ __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) marlin_mma_kernel(
     sums[warp][2 * t + 1][16 * n54 + g + 8] = c[n54][3];
   }
   __syncthreads();
-  const int splits = gridDim.y;
-  // one thread an output (n, token) of the M tokens: e = token * 64 + n
-  for (int e = threadIdx.x; e < M * 64; e += WARPS * 32) {
-    const int n = e & 63, tok = e >> 6, gn = ntile * 64 + n;
-    const float sum = ((sums[0][tok][n] + sums[1][tok][n]) + sums[2][tok][n]) + sums[3][tok][n];
-    if (splits == 1) {
-      if (gn < N) out[(size_t)tok * N + gn] = to_half_bits<BF16>(alpha * sum);
-    } else {
-      partial[((size_t)split * TOKENS + tok) * padded_n + gn] = sum;
-    }
-  }
-  if (splits == 1) return;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counters + ntile, 1) == splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int e = threadIdx.x; e < M * 64; e += WARPS * 32) {
-    const int n = e & 63, tok = e >> 6, gn = ntile * 64 + n;
-    if (gn >= N) continue;
-    const float* p = partial + (size_t)tok * padded_n + gn;
-    const size_t stride = (size_t)TOKENS * padded_n;
-    float sum = 0.f;
-    int sp = 0;
-    for (; sp + 4 <= splits; sp += 4) {  // four loads in flight, added in split order
-      const float p0 = __ldcg(p + sp * stride), p1 = __ldcg(p + (sp + 1) * stride);
-      const float p2 = __ldcg(p + (sp + 2) * stride), p3 = __ldcg(p + (sp + 3) * stride);
-      sum += p0;
-      sum += p1;
-      sum += p2;
-      sum += p3;
-    }
-    for (; sp < splits; ++sp) sum += __ldcg(p + sp * stride);
-    out[(size_t)tok * N + gn] = to_half_bits<BF16>(alpha * sum);
-  }
-  if (threadIdx.x == 0) counters[ntile] = 0;  // ready for the next call (CUDA-graph replays included)
+  if constexpr (CLUSTER) cluster_sum<BF16>(sums, out, M, N, ntile, split, gridDim.y, alpha);
+  else global_sum<BF16>(sums, partial, counters, out, M, N, padded_n, ntile, split, gridDim.y, alpha);
+}
+
+template <bool BF16>
+cudaError_t launch(bool cluster, int splits, dim3 grid, cudaStream_t stream, const void* x, const void* codes,
+                   const void* scales, void* partial, void* counters, void* out, int M, int N, int K, int padded_n,
+                   int tiles_per_split, float alpha) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(WARPS * 32);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = 1;
+  attribute.val.clusterDim.y = splits;  // an n-tile's splits
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = cluster ? 1 : 0;
+  auto kernel = cluster ? marlin_mma_kernel<BF16, true> : marlin_mma_kernel<BF16, false>;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<const uint32_t*>(x), static_cast<const int4*>(codes),
+                            static_cast<const uint8_t*>(scales), static_cast<float*>(partial),
+                            static_cast<int*>(counters), static_cast<uint16_t*>(out), M, N, K, padded_n,
+                            tiles_per_split, alpha);
 }
 
 }  // namespace
 
 // x (M, K) and out (M, N) row-major 16-bit floats (bf16 if bf16 != 0, else fp16); codes / scales as Marlin keeps
-// them; partial: splits * 8 * padded_n fp32; counters: padded_n / 64 int32, zero. Returns a cudaError_t.
+// them; cluster: add the splits in a thread-block cluster (sm_90, splits <= MAX_CLUSTER), else through partial
+// (splits * 8 * padded_n fp32) and counters (padded_n / 64 int32, zero). Returns a cudaError_t.
 extern "C" int tq_marlin_mma(const void* x, const void* codes, const void* scales, void* partial, void* counters,
                              void* out, int M, int N, int K, int padded_n, int splits, int tiles_per_split,
-                             float alpha, int bf16, void* stream) {
-  if (M < 1 || M > TOKENS || K % 16 != 0 || padded_n % 64 != 0 || N > padded_n || splits < 1)
+                             float alpha, int bf16, int cluster, void* stream) {
+  if (M < 1 || M > TOKENS || K % 16 != 0 || padded_n % 64 != 0 || N > padded_n || splits < 1 ||
+      (cluster && splits > MAX_CLUSTER))
     return (int)cudaErrorInvalidValue;
-  const dim3 grid(padded_n / 64, splits), block(WARPS * 32);
+  const dim3 grid(padded_n / 64, splits);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (bf16)
-    marlin_mma_kernel<true><<<grid, block, 0, s>>>(
-        static_cast<const uint32_t*>(x), static_cast<const int4*>(codes), static_cast<const uint8_t*>(scales),
-        static_cast<float*>(partial), static_cast<int*>(counters), static_cast<uint16_t*>(out), M, N, K, padded_n,
-        tiles_per_split, alpha);
-  else
-    marlin_mma_kernel<false><<<grid, block, 0, s>>>(
-        static_cast<const uint32_t*>(x), static_cast<const int4*>(codes), static_cast<const uint8_t*>(scales),
-        static_cast<float*>(partial), static_cast<int*>(counters), static_cast<uint16_t*>(out), M, N, K, padded_n,
-        tiles_per_split, alpha);
-  return (int)cudaGetLastError();
+  return (int)(bf16 ? launch<true>(cluster != 0, splits, grid, s, x, codes, scales, partial, counters, out, M, N, K,
+                                   padded_n, tiles_per_split, alpha)
+                    : launch<false>(cluster != 0, splits, grid, s, x, codes, scales, partial, counters, out, M, N, K,
+                                    padded_n, tiles_per_split, alpha));
 }

@@ -4,7 +4,9 @@ words, for 1 to 8 tokens (the marlin path gives it up to POLICY_TOKENS: batch-1 
 Each Marlin word is the A fragment of one mma.m16n8k16 once decoded (the weight as A, x as B with the tokens as its
 8 columns), so a lane loads 4 consecutive words and decodes them in registers: no shared memory, no layout change,
 the weight stored once. Decoding is exact (code * scale fits bf16 and fp16), the tensor cores sum in fp32, and the
-order of every sum is fixed (warps, then K splits in split order), so a call's result does not depend on timing.
+order of every sum is fixed (warps, then K splits in split order), so a call's result does not depend on timing. On
+sm_90 the splits of an n-tile run as one thread-block cluster and are added from their shared memory (up to
+MAX_CLUSTER splits), elsewhere through global memory: the same sums in the same order, the same bits.
 
 The kernel is built once by a documented step (native.py: nvcc for sm_80 / sm_90; `python -m
 turboquant_vllm.quant.quartet2.marlin_mma build`) into $TURBOQUANT_NATIVE_DIR (default ~/.cache/turboquant-vllm),
@@ -23,7 +25,8 @@ from .marlin_dequant import TILE_K, TILE_N
 from .native import build, library_path, load
 
 MAX_TOKENS = 8  # the mma's n: what the kernel takes
-POLICY_TOKENS = 4  # what the marlin path gives it: up to 4 tokens it beats Marlin, at 8 it does not (H100, nvfp4_gemm)
+POLICY_TOKENS = 8  # what the marlin path gives it: it beats Marlin up to 8 tokens (H100, nvfp4_gemm)
+MAX_CLUSTER = 8  # a portable thread-block cluster: the most K splits added in one (sm_90)
 WARPS = 4  # a CTA's warps, each every fourth k-tile of the CTA's range
 CTAS_PER_SM = 3  # the split policy's target (the kernel fits 4 an SM; 3 measured best, 2 and 4-6 slower)
 
@@ -70,10 +73,16 @@ def reserve_workspace(padded_n: int, k: int, device: torch.device) -> None:
     _WORKSPACES[device] = (partial, counters)
 
 
+def clusters(device: torch.device, splits: int) -> bool:
+    """Whether a call of `splits` K splits adds them in a thread-block cluster (sm_90 and newer, <= MAX_CLUSTER)."""
+    return splits <= MAX_CLUSTER and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: int, alpha: float,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, cluster: bool | None = None) -> torch.Tensor:
     """alpha * x W^T for x (M <= 8, K) bf16 / fp16, W in Marlin's layout (codes int32 (K / 16, 2 padded_n), scale
-    bytes (K / 16, padded_n)): the native kernel on torch's current stream, into `out` (M, N) if given."""
+    bytes (K / 16, padded_n)): the native kernel on torch's current stream, into `out` (M, N) if given; `cluster`
+    (default: clusters()) picks how the K splits are added (the same bits either way)."""
     m = x.shape[0]
     if not 1 <= m <= MAX_TOKENS or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"marlin_mma takes 1-{MAX_TOKENS} tokens of bf16 / fp16, got {tuple(x.shape)} {x.dtype}")
@@ -83,6 +92,12 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int
     partial, counters = _WORKSPACES.get(x.device, (None, None))
     if partial is None or partial.numel() < splits * MAX_TOKENS * padded_n or counters.numel() < padded_n // TILE_N:
         raise RuntimeError("marlin_mma: the workspace was not reserved for this layer (reserve_workspace at load)")
+    if cluster is None:
+        cluster = clusters(x.device, splits)
+    elif cluster and not clusters(x.device, splits):
+        raise ValueError(f"marlin_mma: {splits} splits on a GPU of compute capability "
+                         f"{torch.cuda.get_device_capability(x.device)} cannot be added in a cluster (sm_90 and newer, "
+                         f"<= {MAX_CLUSTER} splits)")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
@@ -90,7 +105,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int
     err = load().tq_marlin_mma(x.data_ptr(), codes.data_ptr(), scale_bytes.data_ptr(), partial.data_ptr(),
                                counters.data_ptr(), out.data_ptr(), m, n, k, padded_n, splits, per,
                                alpha * 2.0 ** FRAGMENT_SHIFT[x.dtype],
-                               int(x.dtype == torch.bfloat16), torch.cuda.current_stream(x.device).cuda_stream)
+                               int(x.dtype == torch.bfloat16), int(cluster),
+                               torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"marlin_mma: launch failed with cudaError_t {err}")
     return out

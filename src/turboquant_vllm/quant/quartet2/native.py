@@ -62,5 +62,5 @@ def load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     lib.tq_marlin_mma.restype = ctypes.c_int
     lib.tq_marlin_mma.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int,
-                                                                                ctypes.c_void_p]
+                                                                                ctypes.c_int, ctypes.c_void_p]
     return lib
