@@ -154,3 +154,21 @@ def test_nvfp4_checkpoints_need_whole_tiles_and_no_input_split(emulate, one_rank
         quant.create_weights(torch.nn.Module(), 128, [96], 128, 96, torch.bfloat16, weight_loader=None)
     with pytest.raises(ValueError, match="tensor-parallel-size 1"):
         quant.create_weights(torch.nn.Module(), 64, [128], 128, 128, torch.bfloat16, weight_loader=None)
+
+
+def test_a_layer_returns_the_free_segments_before_its_lasting_tensors(emulate, one_rank, monkeypatch):
+    """vLLM loads with the allocator's max_split_size_mb at 20 (blocks of 20 MiB or more handed out unsplit): each layer
+    empties the CUDA cache before quantizing and again before its lasting tensors are made; on the CPU, nothing."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    seen = []
+    real = method._return_free_segments
+    monkeypatch.setattr(method, "_return_free_segments", lambda device: (seen.append(device.type), real(device)))
+    quant = method.Quartet2Config().get_quant_method(object.__new__(ReplicatedLinear), "")
+    on_the_fly_layer(quant, torch.zeros(16, 32, dtype=torch.bfloat16, device=DEVICE), [16], torch.bfloat16)
+    assert seen == [torch.device(DEVICE).type] * 2
+    assert len(emptied) == (2 if torch.device(DEVICE).type == "cuda" else 0)
+    real(torch.device("cuda"))
+    assert emptied[-1:] == [True]
