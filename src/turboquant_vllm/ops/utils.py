@@ -38,6 +38,16 @@ def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def dot_fp32(x, m, acc, INTERPRET: tl.constexpr):
+    """acc + x @ m of fp32 tiles, 3xTF32 on the GPU; interpreted, as sums of products: NumPy's matmul (the
+    interpreter's dot) may round an element by where its row sits in the tile, and a row must come out the same
+    wherever it sits (batch invariance)."""
+    if INTERPRET:
+        return acc + tl.sum(x[:, :, None] * m[None, :, :], axis=1)
+    return tl.dot(x, m, acc, input_precision="tf32x3")
+
+
+@triton.jit
 def mma(a, b, acc, UPCAST: tl.constexpr):
     """acc + a @ b; UPCAST runs it in fp32 (Triton's CPU interpreter mis-multiplies half-precision operands)."""
     if UPCAST:

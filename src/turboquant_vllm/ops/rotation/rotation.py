@@ -22,7 +22,7 @@ import triton.language as tl
 from ...core.calibration import KeyCalibration
 from ...core.layout import CacheLayout
 from ..constants import kernel_constants
-from ..utils import INTERPRETED, next_pow2, round_to
+from ..utils import INTERPRETED, dot_fp32, next_pow2, round_to
 
 LARGE_ROWS = 4096  # rows (tokens x query heads) above which a launch takes the wide tiles
 # Up to SPREAD_ROWS rows, the rotations spread over blocks of output columns (_spread_rotation_kernel): one launch
@@ -53,7 +53,8 @@ def matrix_rows(m_ptr, k0, stride_k, stride_j, BLOCK_K: tl.constexpr, HEAD_DIM: 
 
 @triton.jit
 def rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, cal_base, center, CALIBRATION: tl.constexpr,
-                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """(x @ R.T, sum of x^2) in fp32 for the rows x at src_ptr + row_base ((BLOCK_R, 1) offsets), masked by valid.
     CALIBRATION 0: x = the rows; 1 (keys under a key calibration): (rows - mean) / scale where center ((BLOCK_R,)
     bool), rows / scale elsewhere; 2 (queries under one): rows * scale, and the second result is rows.mean instead
@@ -74,7 +75,7 @@ def rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, cal_base
             x *= tl.load(scale_ptr + cal_base + k, mask=k < HEAD_DIM, other=0.0)
         if CALIBRATION != 2:
             sq += tl.sum(x * x, axis=1)
-        acc = tl.dot(x, matrix_rows(rot_ptr, k0, 1, HEAD_DIM, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
+        acc = dot_fp32(x, matrix_rows(rot_ptr, k0, 1, HEAD_DIM, BLOCK_K, HEAD_DIM, D_PAD), acc, INTERPRET)
     return acc, sq
 
 
@@ -114,7 +115,7 @@ def _rotate_queries_kernel(
     head = rows % num_q_heads
     acc, offset = rotate_rows(q_ptr, (token * stride_qt + head * stride_qh)[:, None], row_ok, rot_ptr, key_mean_ptr,
                               key_scale_ptr, ((head // group) * HEAD_DIM)[:, None], row_ok, CALIBRATION, HEAD_DIM,
-                              D_PAD, BLOCK_R, BLOCK_K)
+                              D_PAD, BLOCK_R, BLOCK_K, INTERPRET)
     j = tl.arange(0, D_PAD)
     out = round_to(acc * scale, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + j[None, :], out, mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))
@@ -158,7 +159,7 @@ def _merge_and_unrotate_kernel(
         part = tl.load(acc_ptr + (rows[:, None, None] * NUM_SPLITS + s[None, :, None]) * HEAD_DIM + k[None, None, :],
                        mask=ok[:, None, :] & s_ok[:, :, None], other=0.0)
         x = tl.sum(part * w[:, :, None], axis=1)
-        acc = tl.dot(x, matrix_rows(rot_ptr, k0, HEAD_DIM, 1, BLOCK_K, HEAD_DIM, D_PAD), acc, input_precision="tf32x3")
+        acc = dot_fp32(x, matrix_rows(rot_ptr, k0, HEAD_DIM, 1, BLOCK_K, HEAD_DIM, D_PAD), acc, INTERPRET)
     token = rows // num_q_heads
     head = rows % num_q_heads
     j = tl.arange(0, D_PAD)

@@ -52,6 +52,7 @@ def _quantize_and_store(
     values_ptr, head, tok, CALIBRATED: tl.constexpr,
     BITS: tl.constexpr, CODE_BYTES: tl.constexpr, CODE_OFF: tl.constexpr, NORM_OFF: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     # x (calibrated keys: the shorter of (k - mean) / scale and k / scale) @ R.T in fp32
     row_base = (tok * stride_t + head * stride_h)[:, None]
@@ -60,7 +61,7 @@ def _quantize_and_store(
         center = center_keys(src_ptr, row_base, valid, mean_ptr, scale_ptr, head * HEAD_DIM, HEAD_DIM, D_PAD,
                              BLOCK_T, BLOCK_K)
     rotated, sq = rotate_rows(src_ptr, row_base, valid, rot_ptr, mean_ptr, scale_ptr, head * HEAD_DIM, center,
-                              1 if CALIBRATED else 0, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
+                              1 if CALIBRATED else 0, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K, INTERPRET)
     norm = tl.sqrt(sq)
     dims = tl.arange(0, D_PAD)
     d_ok = valid[:, None] & (dims[None, :] < HEAD_DIM)
@@ -113,17 +114,17 @@ def _store_kv_kernel(
     if part == 0:
         _quantize_and_store(key_ptr, stride_kt, stride_kh, rot_ptr, mean_ptr, scale_ptr, cache_ptr, page_base,
                             slot_off, valid, k_bounds_ptr, k_values_ptr, head, tok, CALIBRATED, K_BITS, K_CODE_BYTES,
-                            0, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
+                            0, K_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K, INTERPRET)
     elif part == 1:
         _quantize_and_store(value_ptr, stride_vt, stride_vh, rot_ptr, mean_ptr, scale_ptr, cache_ptr, page_base,
                             slot_off, valid, v_bounds_ptr, v_values_ptr, head, tok, False, V_BITS, V_CODE_BYTES,
-                            V_CODE_OFF, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K)
+                            V_CODE_OFF, V_NORM_OFF, HEAD_DIM, D_PAD, BLOCK_T, BLOCK_K, INTERPRET)
     elif tl.program_id(0) * BLOCK_T < num_query_tokens:  # queries are a prefix of the tokens (the decodes)
         q_head = head * GROUP + part - 2
         q_ok = tok < num_query_tokens
         rotated, offset = rotate_rows(q_ptr, (tok * stride_qt + q_head * stride_qh)[:, None], q_ok, rot_ptr,
                                       mean_ptr, scale_ptr, head * HEAD_DIM, q_ok, 2 if CALIBRATED else 0, HEAD_DIM,
-                                      D_PAD, BLOCK_T, BLOCK_K)
+                                      D_PAD, BLOCK_T, BLOCK_K, INTERPRET)
         j = tl.arange(0, D_PAD)[None, :]
         out = round_to(rotated * q_scale, q_out_ptr.dtype.element_ty, INTERPRET)
         q_row = tok * (GROUP * tl.num_programs(1)) + q_head
