@@ -209,10 +209,7 @@ def _spread_rotation_kernel(x_ptr, out_ptr, rot_ptr, num_rows, num_q_heads, stri
             m = tl.load(rot_ptr + j[None, :] * HEAD_DIM + k[:, None], mask=m_ok, other=0.0)
         else:
             m = tl.load(rot_ptr + k[:, None] * HEAD_DIM + j[None, :], mask=m_ok, other=0.0)
-        if INTERPRET:  # NumPy's matmul rounds a row by where it sits in the tile; a row's own sum does not
-            acc += tl.sum(x[:, :, None] * m[None, :, :], axis=1)
-        else:
-            acc += tl.dot(x, m, zero, input_precision="tf32x3")
+        acc += dot_fp32(x, m, zero, INTERPRET)
     out = round_to(acc * scale, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + j[None, :], out,
              mask=row_ok[:, None] & (j[None, :] < HEAD_DIM))

@@ -124,7 +124,7 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
     dense_min_tokens = dense_threshold()
     if dense_min_tokens:
         marlin_dequant.reserve_scratch(n * k, v.weight.device, dtype)
-        if v.weight.is_cuda:  # probed now, at load: never inside a CUDA-graph capture (the probe synchronizes)
+        if v.weight.is_cuda:  # at load: vLLM's layout probed and checked against the decoder's (tile_layout)
             marlin_dequant.tables(v.weight.device, dtype)
     mma_max_tokens = marlin_mma.POLICY_TOKENS if mma_enabled() and marlin_mma.supported(v.weight.device) is None else 0
     if mma_max_tokens:
