@@ -126,6 +126,7 @@ KV = {
     "turboquant_3bit_nc": (None, "turboquant_3bit_nc", {}),
     "tq4": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "tq4"}),
     "tq3": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "tq3"}),
+    "k4v3": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "k4v3"}),
 }
 GENERATED = 128
 MAX_SEQS_AT_LIMIT = 2048

@@ -118,3 +118,12 @@ def test_long_runs_extend_the_positions():
     longer = e2e.fit_positions(e2e.MODEL, 102400 + e2e.GENERATED + 8)
     assert longer["max_position_embeddings"] == 102536 and longer["num_hidden_layers"] == 16
     assert e2e.result_paths(longer, runs="1x102400", gpu="h100")[0].name == "h100-llama16l-16q4kv-1x100k"
+
+
+def test_every_custom_cache_is_its_preset():
+    from turboquant_vllm.core.presets import get_preset
+
+    custom = {kv: env for kv, (backend, _, env) in e2e.KV.items() if backend == "CUSTOM"}
+    assert {"tq4", "tq3", "k4v3"} <= set(custom)
+    for kv, env in custom.items():
+        assert get_preset(env["TURBOQUANT_PRESET"]).name == kv
