@@ -17,6 +17,7 @@ products summed exactly and rounded once to fp32, as far as the tensor core's ow
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -31,11 +32,17 @@ WARPS = 4  # a CTA's warps, each every fourth k-tile of the CTA's range
 CTAS_PER_SM = 3  # the split policy's target (the kernel fits 4 an SM; 3 measured best, 2 and 4-6 slower)
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, asked once: gemm needs it at every call."""
+    return torch.cuda.get_device_capability(device)
+
+
 def supported(device: torch.device) -> str | None:
     """None if the kernel can run on `device`, else why not: "not ..." (one line)."""
     if device.type != "cuda":
         return f"not for a {device.type} device"
-    if torch.cuda.get_device_capability(device) < (8, 0):
+    if _capability(device) < (8, 0):
         return "not for GPUs below sm_80"
     if load() is None:
         return (f"not built (python -m turboquant_vllm.quant.quartet2.marlin_mma build: needs nvcc; looked for "
@@ -75,7 +82,7 @@ def reserve_workspace(padded_n: int, k: int, device: torch.device) -> None:
 
 def clusters(device: torch.device, splits: int) -> bool:
     """Whether a call of `splits` K splits adds them in a thread-block cluster (sm_90 and newer, <= MAX_CLUSTER)."""
-    return splits <= MAX_CLUSTER and torch.cuda.get_device_capability(device) >= (9, 0)
+    return splits <= MAX_CLUSTER and _capability(device) >= (9, 0)
 
 
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int, k: int, alpha: float,
@@ -96,7 +103,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale_bytes: torch.Tensor, n: int
         cluster = clusters(x.device, splits)
     elif cluster and not clusters(x.device, splits):
         raise ValueError(f"marlin_mma: {splits} splits on a GPU of compute capability "
-                         f"{torch.cuda.get_device_capability(x.device)} cannot be added in a cluster (sm_90 and newer, "
+                         f"{_capability(x.device)} cannot be added in a cluster (sm_90 and newer, "
                          f"<= {MAX_CLUSTER} splits)")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
