@@ -5,8 +5,10 @@
 
 Each module has a main(argv=None); benchmarks.common holds what they share (result paths, the provenance every
 result file records, timing, plots), benchmarks.engine_rows the runner of those whose rows are whole vLLM engines
-(awq, weights). Results: benchmarks/results/<name>/<gpu>-<what>.<ext>, except the two headline summaries,
-benchmarks/results/e2e.{json,md,png} and benchmarks/results/quality.{json,md,png}.
+(awq, weights). Results: benchmarks/results/<name>/<gpu>-<what>.<ext>, except the headline summaries
+benchmarks/results/{e2e,quality,awq,decode_sweep}.{json,md,png}; benchmarks/results/README.md indexes the current
+ones. The modes that render a result file (quality --report, decode_sweep --report) print it and write files only to
+an explicit --out.
 """
 
 # name -> one line: what it measures. Importing this package stays light (no torch): the runner lists these.
@@ -14,7 +16,7 @@ BENCHMARKS = {
     "decode_kernel": "decode attention alone: our presets vs FlashAttention-3 bf16 / fp8 and vLLM's in-tree TurboQuant "
                      "(GPU, CUDA-graph replay)",
     "decode_sweep": "decode attention over query-head groups, head dims, batches and contexts: tq4 vs FlashAttention-3 "
-                    "bf16 / fp8, heat map and targets (GPU; --report renders on a CPU)",
+                    "bf16 / fp8, heat map and targets (GPU; --report prints a result on a CPU)",
     "e2e": "vLLM end to end per KV cache: KV tokens that fit, decode and prefill throughput, requests/s at the memory "
            "limit (GPU)",
     "prefill_attention": "one layer's prefill step: store + attention, ours vs FLASH_ATTN bf16 (GPU)",
@@ -23,19 +25,7 @@ BENCHMARKS = {
     "layer_step": "one layer's decode-step attention, ours vs FLASH_ATTN: the host's time to issue it (eager) and the "
                   "GPU's (graph replay) (GPU)",
     "quality": "quality per KV cache in real vLLM: perplexity, pass-key retrieval, KL vs bf16, bytes per token "
-               "(GPU; --report renders on a CPU)",
-    "quality_diagnosis": "where the quantization error of the reference LM comes from and which remedies pay "
-                         "(CPU, fp32 forward)",
-    "key_centering": "where a real model's tq4 error comes from and what per-token key centering buys (CPU, fp32 "
-                     "forward)",
-    "quality_transform_bound": "bound on what a learned linear transform of K or V could cut from the quantization "
-                               "error (CPU)",
-    "rounding_sensitivity": "how far a one-ulp difference in attention outputs moves a real model's greedy text, "
-                            "per KV cache (CPU, bf16)",
-    "codebook_polynomial": "the value codebook as an odd polynomial of the code (the decode on the FMA pipe): its "
-                           "distortion against the codebook in use (CPU)",
-    "kernel_variants": "decode attention under launch variants (warps, tiles, registers, stages, splits) vs the launch "
-                       "policy, with the error vs the reference (GPU)",
+               "(GPU; --report prints a result on a CPU)",
     "awq_gemm": "AWQ int4 GEMM: TurboMind's kernels vs vLLM's AWQ kernels and the dense matmul, per layer shape and "
                 "token count (GPU)",
     "nvfp4_gemm": "NVFP4 weight GEMM (W4A16): quartet2's marlin path (Marlin, the weight decoded for cuBLAS, the "
@@ -46,5 +36,4 @@ BENCHMARKS = {
            "Marlin, Triton, TurboMind) on a Llama-3-8B-shaped checkpoint (GPU)",
     "weights": "weight quantization in vLLM end to end vs bf16 weights: output tok/s and batch-1 decode latency of "
                "quartet2 (NVFP4 through Marlin FP4) and vLLM's fp8 on a Llama-3-8B-shaped model (GPU)",
-    "kernel_sass": "compile a kernel for sm_90 offline (no GPU): registers, spills, the main loop's instruction mix",
 }

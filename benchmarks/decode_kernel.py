@@ -6,7 +6,7 @@ replay, so launch overhead is out of the comparison for all of them alike.
 
     python -m benchmarks decode_kernel [--shapes 64x8192,32x32768] [--out PATH]   # on a GPU with vLLM importable
 Writes benchmarks/results/decode_kernel/<gpu>-32q8kv-<shapes>.{json,md,png} (e.g. h200-32q8kv-64x8k-32x32k).
-Launch choices of ours (tiles, warps, stages, splits): python -m benchmarks kernel_variants.
+The launch choices of ours (tiles, warps, stages, splits) are turboquant_vllm.ops.attention.launch's.
 """
 
 from __future__ import annotations
