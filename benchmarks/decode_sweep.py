@@ -13,8 +13,9 @@ not serialize in front of the timing.
 
     python -m benchmarks decode_sweep [--groups 1,2,3,4,5,6,7,8,16] [--head-dims 64,96,128,256]
         [--points 1x8192,...] [--kv-heads 8] [--merge] [--time-budget S] [--out PATH]
-    python -m benchmarks decode_sweep --report benchmarks/results/decode_sweep.json   # re-render on a CPU
-        [--e2e benchmarks/results/e2e/h100-qwen2.5-7b.json,...]   # + end-to-end rows from `e2e --shape` results
+    python -m benchmarks decode_sweep --report benchmarks/results/decode_sweep.json   # print its table on a CPU
+        [--e2e benchmarks/results/e2e/h100-qwen2.5-7b-16x2k-64x8k.json,...]   # + end-to-end rows of `e2e --shape`
+        [--out PATH]   # and write PATH.{json,md,png}; without it the result file is only read
 
 Writes benchmarks/results/decode_sweep.{json,md,png}: {"points": [{"group", "head_dim", "batch", "context",
 "bf16_kv_bytes", "ours_ms", "bf16_ms", "fp8_ms", ...}], "e2e": [...]}, a heat map of bf16 / ours per head_dim, and
@@ -370,15 +371,18 @@ def main(argv: list[str] | None = None) -> None:
                     help="largest split count timed beside the policy's (the policy's own count: none)")
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; stop starting points after it (0: none)")
     ap.add_argument("--merge", action="store_true", help="keep the points of the existing result not measured now")
-    ap.add_argument("--report", type=Path, help="re-render this JSON's Markdown and heat map (no GPU)")
+    ap.add_argument("--report", type=Path, help="print this result JSON's table (no GPU; the file is only read; "
+                    "--out writes the rendered JSON, Markdown and heat map)")
     ap.add_argument("--e2e", type=lambda s: [Path(x) for x in s.split(",")], default=[],
                     help="e2e result JSONs (python -m benchmarks e2e --shape ...) whose tq4 / bf16 rows become the "
                     "end-to-end rows (replacing those of the same shape and run)")
     common.add_out_argument(ap, "benchmarks/results/decode_sweep")
     args = ap.parse_args(argv)
     if args.report:
-        doc = json.loads(args.report.read_text())
-        write(with_e2e(doc, args.e2e), common.stem_of(args.report))
+        doc = with_e2e(json.loads(args.report.read_text()), args.e2e)
+        print(common.markdown_header(doc["meta"]) + markdown(doc), end="")
+        if args.out:
+            write(doc, common.stem_of(args.out))
         return
     stem = common.stem_of(args.out) if args.out else DEFAULT_STEM
     command = common.command_line(NAME, argv)

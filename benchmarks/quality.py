@@ -73,10 +73,10 @@ On the GPU machine, from the repository root (inputs must lie inside the repo tr
         [--heldout data/val.bin] [--kv bf16,tq4] [--merge] [--parallel 4] [--time-budget 540]
 writes --out (default benchmarks/results/quality/<model folder>.json) after every KV cache, its markdown at the
 end, the children's logs in the folder of its name (quality/<model>/<gpu>-children.log), and prints the table.
-The figures are a separate, local step:
-    python -m benchmarks quality --report benchmarks/results/quality/smollm2-135m.json
-writes <name>.md and <name>.png (quality vs bytes, Pareto front) beside the JSON (or in --results-dir), and in the
-folder of its name needle.png (every cache) and needle/<kv>.png (one heatmap per KV cache).
+A result file is read on a CPU, a separate step that never rewrites it:
+    python -m benchmarks quality --report benchmarks/results/quality/smollm2-135m.json [--out PATH]
+prints its table; with --out it also writes PATH.md and PATH.png (quality vs bytes, Pareto front), and in the
+folder PATH needle.png (every cache) and needle/<kv>.png (one heatmap per KV cache).
 CUDA graphs stay off by default (--cuda-graphs: FULL_DECODE_ONLY without torch.compile): the work is prefill in
 mixed batches of thousands of tokens, which vLLM does not capture; only bf16's sampling for the KL decodes at
 length, and full compilation would cost each KV cache (a new configuration each) its own compile at startup.
@@ -1015,16 +1015,21 @@ def _needle_heatmap(ax, row: dict) -> None:
     ax.set(title=f"{row['kv']}: {row['needle_accuracy']:.3f}", xlabel="context length", ylabel="needle depth")
 
 
-def report(path: Path, results: Path) -> None:
-    """results/<name>.md and <name>.png, results/<name>/needle.png and needle/<kv>.png (<name>: the JSON's)."""
+def report(path: Path, out: Path | None = None) -> str:
+    """The markdown of the result file at path, printed; with out, also written to out.md and out.png, and
+    out/needle.png and out/needle/<kv>.png. The result file itself is only read."""
     doc = json.loads(path.read_text())
-    results.mkdir(parents=True, exist_ok=True)
-    text, stem = markdown(doc), results / path.stem
+    text = markdown(doc)
     if doc.get("meta"):  # a file from before the provenance was recorded renders without its header
-        common.write_markdown(common.with_ext(stem, ".md"), text, doc["meta"])
-    else:
-        common.with_ext(stem, ".md").write_text(text)
-    plot(doc, common.with_ext(stem, ".png"), stem / "needle")
+        text = common.markdown_header(doc["meta"]) + text
+    print(text, end="")
+    if out is not None:
+        stem = common.stem_of(out)
+        md = common.with_ext(stem, ".md")
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(text)
+        plot(doc, common.with_ext(stem, ".png"), stem / "needle")
+    return text
 
 
 def parser() -> argparse.ArgumentParser:
@@ -1068,13 +1073,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cuda-graphs", action="store_true", help="decode CUDA graphs (FULL_DECODE_ONLY, no compile)")
     ap.add_argument("--time-budget", type=float, default=0,
                     help="seconds for the whole run: then running children are killed, no more start (0: none)")
-    ap.add_argument("--out", help="the results' JSON (default: benchmarks/results/quality/<model folder>.json)")
+    ap.add_argument("--out", help="the results' JSON (default: benchmarks/results/quality/<model folder>.json); "
+                    "with --report: where to write the rendered PATH.md / .png (default: print only)")
     ap.add_argument("--work", default="/tmp/turboquant_quality",
                     help="inputs, bf16's KL reference, the fitted calibration; keep it across --merge calls")
     ap.add_argument("--merge", action="store_true", help="keep rows of other KV caches already in --out")
     ap.add_argument("--child-timeout", type=float, default=0, help="seconds per KV cache before it is killed (0: none)")
-    ap.add_argument("--report", metavar="JSON", help="render JSON into <name>.md / .png (no GPU)")
-    ap.add_argument("--results-dir", help="where --report writes (default: beside the JSON)")
+    ap.add_argument("--report", metavar="JSON", help="print the table of a result file (no GPU); it is only read")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     return ap
 
@@ -1083,7 +1088,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     args.argv = argv
     if args.report:
-        report(Path(args.report), Path(args.results_dir or Path(args.report).parent))
+        report(Path(args.report), Path(args.out) if args.out else None)
     elif args.child:
         child_main(args.child, Path(args.work))
     else:

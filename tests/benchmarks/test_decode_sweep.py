@@ -73,9 +73,22 @@ def test_report_targets_and_heatmap(tmp_path):
             "FA3 bf16; below: g7 d64 256x1k 0.91x.") in sweep.markdown(doc)
     path = tmp_path / "decode_sweep.json"
     path.write_text(json.dumps(doc))
-    sweep.main(["--report", str(path)])
-    assert (tmp_path / "decode_sweep.png").stat().st_size > 10_000
-    assert "head_dim 64" in (tmp_path / "decode_sweep.md").read_text()
+    sweep.main(["--report", str(path), "--out", str(tmp_path / "out" / "sweep")])
+    assert (tmp_path / "out" / "sweep.png").stat().st_size > 10_000
+    assert "head_dim 64" in (tmp_path / "out" / "sweep.md").read_text()
+    assert json.loads((tmp_path / "out" / "sweep.json").read_text())["points"] == doc["points"]
+
+
+def test_report_of_the_committed_result_prints_it_and_writes_nothing(tmp_path, capsys):
+    """--report only reads: the table goes to stdout, the result file and its folder stay byte for byte."""
+    committed = sweep.common.RESULTS / "decode_sweep.json"
+    copy = tmp_path / "decode_sweep.json"
+    copy.write_bytes(committed.read_bytes())
+    sweep.main(["--report", str(copy)])
+    out = capsys.readouterr().out
+    assert out.endswith(sweep.markdown(json.loads(committed.read_text()))) and "head_dim" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode_sweep.json"]
+    assert copy.read_bytes() == committed.read_bytes()
 
 
 def test_e2e_rows_from_shape_results(tmp_path):

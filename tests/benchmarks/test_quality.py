@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import reference_lm.passkey  # noqa: F401  the needle's texts: a broken import of ours fails, never skips
+import turboquant_vllm.vllm.calibrate  # noqa: F401  what fit_calibration runs
 from benchmarks import quality
 
 # the converted SmolLM2-135M-Instruct, where `turboquant-vllm model smollm2` (turboquant_vllm.hf) may have made it
@@ -150,7 +152,6 @@ def check_needle_prompts(tok, fmt: str, prefix: list[int], hay: list[int], lengt
 
 @pytest.mark.parametrize("fmt", quality.NEEDLE_FORMATS)
 def test_needle_prompts_place_the_key(tmp_path, fmt):
-    pytest.importorskip("reference_lm.passkey", reason="reference_lm/passkey.py is not there yet")
     tok, words = tiny_tokenizer(tmp_path / "tok", chat=True)
     prefix = quality.bos_prefix(tok)
     assert prefix == [0]
@@ -421,7 +422,6 @@ def test_evaluate_hands_bf16_reference_and_needle_format_to_the_others(tmp_path,
 
 
 def test_fit_calibration_gives_calibrate_a_fixed_kv_budget(tmp_path, monkeypatch):
-    pytest.importorskip("turboquant_vllm.vllm.calibrate")
     seen = {}
 
     def llm(**kwargs):
@@ -520,17 +520,33 @@ def test_markdown_of_the_reference_lm_file():
 
 
 @pytest.mark.parametrize("name", ["quality", "smollm2-135m"])
-def test_report_writes_markdown_and_figures(tmp_path, name):
+def test_report_writes_markdown_and_figures_to_out(tmp_path, name, capsys):
     pytest.importorskip("matplotlib", reason="the figures need matplotlib")
     src = tmp_path / f"{name}.json"
     src.write_text(json.dumps(results_doc()))
-    quality.main(["--report", str(src), "--results-dir", str(tmp_path / "out")])
-    assert (tmp_path / "out" / f"{name}.md").read_text() == quality.markdown(results_doc())
+    quality.main(["--report", str(src), "--out", str(tmp_path / "out" / name)])
+    assert (tmp_path / "out" / f"{name}.md").read_text() == quality.markdown(results_doc()) == capsys.readouterr().out
     heatmaps = [f"{name}/needle/{r['kv']}.png" for r in results_doc()["rows"] if r.get("needle_grid")]
     assert len(heatmaps) == 8 and sorted(p.name for p in (tmp_path / "out" / name / "needle").iterdir()) == sorted(
         h.split("/")[-1] for h in heatmaps)  # one per KV cache with a grid (the failed one has none)
     for path in (f"{name}.png", f"{name}/needle.png", *heatmaps):
         assert (tmp_path / "out" / path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", ["quality.json", "quality/smollm2-135m.json"])
+def test_report_of_a_committed_result_prints_it_and_writes_nothing(tmp_path, name, capsys):
+    """--report only reads: the table goes to stdout, the result file and its folder stay byte for byte."""
+    committed = quality.common.RESULTS / name
+    copy = tmp_path / name
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_bytes(committed.read_bytes())
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    quality.main(["--report", str(copy)])
+    out = capsys.readouterr().out
+    doc = json.loads(committed.read_text())
+    assert out.endswith(quality.markdown(doc)) and "| tq4 |" in out
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert copy.read_bytes() == committed.read_bytes()
 
 
 def test_scheduler_keeps_order_slots_and_needs():
