@@ -1,4 +1,4 @@
-"""The `awq_turbomind` method's TurboMind side (its config and registration: quant.awq_turbomind.config): the
+"""The `awq_turbomind` method's TurboMind side (its config and registration: config.py; what it runs: support.py): the
 turbomind wheel loaded and checked, AWQ weights created and loaded as vLLM's AWQ method does, repacked once into
 TurboMind's layout, and run through one torch custom op (registered when this module is imported, before any model is
 built or compiled) with a fake implementation, so torch.compile and full CUDA graphs see an ordinary op.
@@ -24,9 +24,8 @@ from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMPa
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from .awq_format import PACK
-from .config import INSTALL, MIN_CAPABILITY, NAME, WAY_OUT, AWQTurboMindConfig
-from .config import OPT_IN_ENV, is_awq, opted_in, refusal, register  # noqa: F401 (this module's names before)
+from .awq_format import BITS, PACK
+from .support import INSTALL, MIN_CAPABILITY, NAME, WAY_OUT
 
 logger = logging.getLogger("vllm.turboquant_vllm.awq_turbomind")
 
@@ -98,12 +97,13 @@ def check_platform() -> None:
 class AWQTurboMindLinearMethod(LinearMethodBase):
     """AWQ tensors created and loaded as vLLM's AWQ method does; then one TurboMind Linear per layer."""
 
-    def __init__(self, config: AWQTurboMindConfig) -> None:
-        self.config = config
+    def __init__(self, group_size: int, weight_bits: int = BITS) -> None:
+        self.group_size = group_size  # the checkpoint's, checked by the config (support.refusal)
+        self.weight_bits = weight_bits
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        group = self.config.group_size
+        group = self.group_size
         if input_size_per_partition % group:
             raise ValueError(f"{NAME}: AWQ groups {group} input features; this layer has {input_size_per_partition} "
                              f"per tensor-parallel rank ({input_size} in all). Use a tensor-parallel size that keeps "
@@ -129,8 +129,8 @@ class AWQTurboMindLinearMethod(LinearMethodBase):
         turbomind = load_turbomind()
         qweight = layer.qweight.data
         k, n = qweight.shape[0], qweight.shape[1] * PACK
-        linear = turbomind.Linear(k, n, bias=False, quant_method="awq", w_bit=self.config.weight_bits,
-                                  group_size=self.config.group_size, device=qweight.device)
+        linear = turbomind.Linear(k, n, bias=False, quant_method="awq", w_bit=self.weight_bits,
+                                  group_size=self.group_size, device=qweight.device)
         linear.qweight.copy_(qweight)
         linear.qzeros.copy_(layer.qzeros.data)
         linear.scales.copy_(layer.scales.data)
