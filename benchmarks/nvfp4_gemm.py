@@ -4,9 +4,9 @@ dense matmul of the same weight's values.
 Paths, each over the same NVFP4 weight (a random bf16 weight quantized by the 4/6 rule) and the same activations:
 - dense: torch's matmul of the exact NVFP4 values stored as bf16 (what a bf16 checkpoint of them costs);
 - marlin: vLLM's Marlin FP4 kernel alone (quartet2's marlin path with its other GEMMs off);
-- mma: the native few-token kernel (quartet2.marlin_mma, 1-8 tokens, over Marlin's layout; rows only where it is
+- mma: the native few-token kernel (quartet2.kernels.marlin_mma, 1-8 tokens, over Marlin's layout; rows only where it is
   built);
-- decode+cublas: the weight decoded from Marlin's layout into bf16, then cuBLAS (quartet2.marlin_dequant), every
+- decode+cublas: the weight decoded from Marlin's layout into bf16, then cuBLAS (quartet2.kernels.marlin_dequant), every
   token count;
 - policy: what quartet2's marlin path runs (mma up to marlin_mma.POLICY_TOKENS tokens where built, Marlin below
   DENSE_MIN_TOKENS tokens, decode+cublas from there);
@@ -42,7 +42,7 @@ COPIES = 4  # a block's weights, COPIES times: more than an H100's or H200's L2 
 
 def paths(m) -> dict:
     """path -> fn(x) over the prepared Marlin weight m (the dense path apart)."""
-    from turboquant_vllm.quant.quartet2 import marlin, marlin_mma
+    from turboquant_vllm.quant.quartet2.kernels import marlin, marlin_mma
 
     fns = {"marlin": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=0, mma_max_tokens=0)),
            "decode+cublas": lambda x: marlin.marlin_linear(x, m._replace(dense_min_tokens=1, mma_max_tokens=0)),
@@ -54,16 +54,17 @@ def paths(m) -> dict:
 
 
 def applies(fns: dict, path: str, tokens: int) -> bool:
-    from turboquant_vllm.quant.quartet2 import marlin_mma
+    from turboquant_vllm.quant.quartet2.kernels import marlin_mma
 
     return path == "dense" or (path in fns and (path != "mma" or tokens <= marlin_mma.MAX_TOKENS))
 
 
 def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
-    from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_dequant
+    from turboquant_vllm.quant.quartet2.kernels import marlin, marlin_dequant, quantize
+    from turboquant_vllm.quant.quartet2.kernels.dequantize.naive import unscaled_values
 
-    w = linear.quantize_weight((torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16))
-    exact = linear.unscaled_values(w.packed, w.scales).double() * w.tensor_scale.double()
+    w = quantize.quantize_weight((torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16))
+    exact = unscaled_values(w.packed, w.scales).double() * w.tensor_scale.double()
     dense = exact.to(torch.bfloat16)  # exact: at most 7 significant bits
     m = marlin.prepare(w, torch.bfloat16)
     out = marlin_dequant.reserve_scratch(n * k, "cuda", torch.bfloat16)
@@ -88,15 +89,16 @@ def run(k: int, n: int, tokens: list[int], gen: torch.Generator) -> list[dict]:
 
 def block(model: str, gen: torch.Generator, tokens: tuple[int, ...]) -> list[dict]:
     """One block's layers in a row over COPIES copies of their weights: ms per block per path."""
-    from turboquant_vllm.quant.quartet2 import linear, marlin
+    from turboquant_vllm.quant.quartet2.kernels import marlin, quantize
+    from turboquant_vllm.quant.quartet2.kernels.dequantize.naive import unscaled_values
 
     shapes = MODELS[model]
     copies = []
     for _ in range(COPIES):
         layer = []
         for k, n in shapes:
-            w = linear.quantize_weight((torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16))
-            dense = (linear.unscaled_values(w.packed, w.scales) * w.tensor_scale).to(torch.bfloat16)
+            w = quantize.quantize_weight((torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16))
+            dense = (unscaled_values(w.packed, w.scales) * w.tensor_scale).to(torch.bfloat16)
             layer.append((paths(marlin.prepare(w, torch.bfloat16)), dense))
         copies.append(layer)
     nvfp4_bytes = sum(n * k // 2 + n * k // 16 for k, n in shapes)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     meta = common.print_header(common.command_line(NAME, argv))
     from benchmarks.awq_gemm import vllm_process_group
-    from turboquant_vllm.quant.quartet2 import marlin, marlin_mma
+    from turboquant_vllm.quant.quartet2.kernels import marlin, marlin_mma
 
     vllm_process_group()
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -82,7 +82,7 @@ ORDER = ("bf16", "fp8", "quartet2", "quartet2:w4a4", "quartet2:marlin", "quartet
 BF16 = "bf16"
 OURS = "quartet2"
 MODELOPT = "modelopt_fp4"  # vLLM's NVFP4 checkpoint method: its rows load NVFP4 parameters (modelopt_quant_config)
-PATH_ENV = "TURBOQUANT_QUARTET2_PATH"  # quant.quartet2.method.PATH_ENV (not imported: the parent stays torch-free)
+PATH_ENV = "TURBOQUANT_QUARTET2_PATH"  # quant.quartet2.plugin.paths.PATH_ENV (not imported: the parent stays torch-free)
 PATHS = ("auto", "w4a4", "marlin", "emulate")
 MODEL = dict(engine_rows.LLAMA3_8B, torch_dtype="bfloat16")
 BF16_KERNEL = "UnquantizedLinearMethod (bf16 matmul)"
@@ -293,7 +293,7 @@ class Weights(engine_rows.WeightRows):
         check_architecture(config["architectures"][0])
         if method == OURS:  # the entry point registers it once installed; a source tree may lack the entry point
             os.environ.update(row_env(method, variant))  # the parent sets it too; this keeps a child run by hand right
-            from turboquant_vllm.quant.quartet2.method import register
+            from turboquant_vllm.quant.quartet2 import register
 
             register()
 

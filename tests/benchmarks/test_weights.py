@@ -64,9 +64,9 @@ def test_engine_arguments_and_environment_per_method():
         "bf16": {}, "fp8": {}, "quartet2": {"TURBOQUANT_QUARTET2_PATH": "auto"},
         "quartet2:emulate": {"TURBOQUANT_QUARTET2_PATH": "emulate"},
         "quartet2:marlin": {"TURBOQUANT_QUARTET2_PATH": "marlin"}}
-    from turboquant_vllm.quant.quartet2 import method
+    from turboquant_vllm.quant.quartet2.plugin import config, paths
 
-    assert weights.PATH_ENV == method.PATH_ENV and weights.PATHS == method.PATHS and weights.OURS == method.NAME
+    assert weights.PATH_ENV == paths.PATH_ENV and weights.PATHS == paths.PATHS and weights.OURS == config.NAME
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(**kw["fp8"])  # vLLM 0.25 takes every keyword
