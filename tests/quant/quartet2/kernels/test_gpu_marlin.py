@@ -9,7 +9,7 @@ multiplies them in fp32 and the result is rounded once to bf16 / fp16. So |y - r
 scales rounds a second time (the per-column ratio after the kernel): 2u. A bias added after the kernel: one more, of
 the sum.
 
-    pytest -m gpu tests/quant/quartet2/test_gpu_marlin.py
+    pytest -m gpu tests/quant/quartet2/kernels/test_gpu_marlin.py
 """
 
 from __future__ import annotations
@@ -19,8 +19,14 @@ import functools
 import pytest
 import torch
 
-from tests.quant.quartet2.layers import on_the_fly_layer
-from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_dequant, method, nvfp4
+from tests.quant.quartet2.plugin.layers import on_the_fly_layer
+from turboquant_vllm.quant.quartet2 import nvfp4
+from turboquant_vllm.quant.quartet2.kernels import marlin, marlin_dequant, marlin_layout
+from turboquant_vllm.quant.quartet2.kernels.dequantize.naive import unscaled_values
+from turboquant_vllm.quant.quartet2.kernels.marlin_dequant.naive import dequantize_reference
+from turboquant_vllm.quant.quartet2.kernels.quantize import quantize_weight
+from turboquant_vllm.quant.quartet2.plugin import paths
+from turboquant_vllm.quant.quartet2.plugin.config import Quartet2Config
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +42,7 @@ def random_weight(n, k, seed, scale=0.02):
 
 @functools.cache
 def quantized(n, k):
-    return linear.quantize_weight(random_weight(n, k, n * 7 + k))
+    return quantize_weight(random_weight(n, k, n * 7 + k))
 
 
 @functools.cache
@@ -46,15 +52,15 @@ def prepared(n, k, dtype):
 
 def fused_weight(parts=((4096, 0.02), (1024, 0.05), (1024, 0.3)), k=4096):
     """qkv-like: parts quantized with their own tensor scales (a CloverLM checkpoint's fused layer), one per row."""
-    qs = [linear.quantize_weight(random_weight(n, k, 100 + i, s)) for i, (n, s) in enumerate(parts)]
-    return linear.NVFP4Weight(torch.cat([q.packed for q in qs]), torch.cat([q.scales for q in qs]),
+    qs = [quantize_weight(random_weight(n, k, 100 + i, s)) for i, (n, s) in enumerate(parts)]
+    return nvfp4.NVFP4Weight(torch.cat([q.packed for q in qs]), torch.cat([q.scales for q in qs]),
                               torch.cat([q.tensor_scale.expand(q.packed.shape[0]) for q in qs]))
 
 
 def assert_w4a16(y, x, w, roundings=1, bias=None):
     """y within `roundings` roundings of x W^T (relative to it) and, with a bias, one more of x W^T + bias."""
     u = torch.finfo(y.dtype).eps / 2
-    values = linear.unscaled_values(w.packed, w.scales).double()
+    values = unscaled_values(w.packed, w.scales).double()
     ts = w.tensor_scale.double()
     product = (x.double() @ values.t()) * ts
     magnitude = (x.double().abs() @ values.abs().t()) * ts
@@ -95,13 +101,13 @@ def test_the_decoder_reads_the_real_repack_exactly(shape, dtype):
     bit for bit; scratch past the weight untouched."""
     n, k = shape
     w, m = quantized(n, k), prepared(n, k, dtype)
-    t = marlin_dequant.tables(m.weight.device, dtype)
-    want = linear.unscaled_values(w.packed, w.scales) * (float(w.tensor_scale) / m.dense_alpha)
+    t = marlin_layout.tables(m.weight.device, dtype)
+    want = unscaled_values(w.packed, w.scales) * (float(w.tensor_scale) / m.dense_alpha)
     want[marlin.marlin_flushed_groups(w.scales, dtype).repeat_interleave(nvfp4.GROUP, dim=1)] = 0
     out = torch.full((n * k + 7,), float("nan"), dtype=dtype, device="cuda")
     assert torch.equal(marlin_dequant.dequantize(m.weight, m.weight_scale, n, k, out).float(), want)
     assert out[n * k:].isnan().all()
-    assert torch.equal(marlin_dequant.dequantize_reference(m.weight, m.weight_scale, t, n, k), want)
+    assert torch.equal(dequantize_reference(m.weight, m.weight_scale, t, n, k), want)
 
 
 def test_small_scales_lifted_by_vllm_decode_exactly():
@@ -135,14 +141,14 @@ def test_groups_below_marlins_scale_range_run_as_zeros():
     gen = torch.Generator(device="cuda").manual_seed(4)
     weight = (torch.randn(256, 512, generator=gen, device="cuda") * 5e-6).to(torch.bfloat16)
     weight[0, 0] = 1.0
-    w = linear.quantize_weight(weight)
+    w = quantize_weight(weight)
     flushed = marlin.marlin_flushed_groups(w.scales, torch.bfloat16)
     expected = w.scales.float() > 0
     expected[0, 0] = False
     assert torch.equal(flushed, expected) and flushed.float().mean() > 0.9
     x = torch.randn(600, 512, generator=gen, device="cuda").to(torch.bfloat16)
     x[:, :16] = 0
-    assert linear.unscaled_values(w.packed, w.scales)[:, 16:].abs().sum() > 0  # the exact weight is not zero there
+    assert unscaled_values(w.packed, w.scales)[:, 16:].abs().sum() > 0  # the exact weight is not zero there
     m = marlin.prepare(w, torch.bfloat16)
     assert (marlin.marlin_linear(x[:5], m) == 0).all() and (marlin.marlin_linear(x, m) == 0).all()  # both GEMMs
 
@@ -174,14 +180,14 @@ def test_cuda_graph_replays_the_eager_output(fused, rows):
 def test_the_method_serves_a_layer_through_marlin(monkeypatch, one_rank):
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
-    monkeypatch.delenv(method.PATH_ENV, raising=False)
-    config = method.Quartet2Config()
+    monkeypatch.delenv(paths.PATH_ENV, raising=False)
+    config = Quartet2Config()
     assert config.path == "marlin"
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "model.layers.0.mlp.down_proj")
     weight = random_weight(1024, 2048, 9)
     layer = on_the_fly_layer(quant, weight, [1024], torch.bfloat16)
     x = torch.randn(3, 2048, device="cuda").to(torch.bfloat16)
-    assert_w4a16(quant.apply(layer, x), x, linear.quantize_weight(weight))
+    assert_w4a16(quant.apply(layer, x), x, quantize_weight(weight))
 
 
 def test_torch_compile_chooses_the_gemm_per_call():

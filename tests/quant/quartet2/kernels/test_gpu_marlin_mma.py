@@ -1,12 +1,12 @@
-"""GPU: the native few-token GEMM (quant.quartet2.marlin_mma, built with `python -m
-turboquant_vllm.quant.quartet2.marlin_mma build`) over Marlin's real layout (vLLM's repack on the GPU): against its
-PyTorch emulation (the same decode, the same sums in the same order; the tensor core's rounding inside one mma may
-differ: a last-bit difference in a few outputs) and against the W4A16 reference (one rounding of fp32 sums, as
-test_gpu_marlin.py bounds it); poisoned outputs, every token count 1-8, both activation dtypes, padded shapes,
-repeat calls and CUDA-graph replays bit-identical, the K splits added in a cluster (sm_90) or through global memory
-giving the same bits.
+"""GPU: the native few-token GEMM (quant.quartet2.kernels.marlin_mma, built with
+`python -m turboquant_vllm.quant.quartet2.kernels.marlin_mma build`) over Marlin's real layout (vLLM's repack on the
+GPU): against its PyTorch emulation (naive.py: the same decode, the same sums in the same order; the tensor core's
+rounding inside one mma may differ: a last-bit difference in a few outputs) and against the W4A16 reference (one
+rounding of fp32 sums, as test_gpu_marlin.py bounds it); poisoned outputs, every token count 1-8, both activation
+dtypes, padded shapes, repeat calls and CUDA-graph replays bit-identical, the K splits added in a cluster (sm_90) or
+through global memory giving the same bits.
 
-    pytest -m gpu tests/quant/quartet2/test_gpu_marlin_mma.py
+    pytest -m gpu tests/quant/quartet2/kernels/test_gpu_marlin_mma.py
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.quant.quartet2.test_gpu_marlin import assert_w4a16, quantized, random_weight
-from turboquant_vllm.quant.quartet2 import linear, marlin, marlin_mma
+from tests.quant.quartet2.kernels.test_gpu_marlin import assert_w4a16, quantized, random_weight
+from turboquant_vllm.quant.quartet2 import nvfp4
+from turboquant_vllm.quant.quartet2.kernels import marlin, marlin_mma
+from turboquant_vllm.quant.quartet2.kernels.dequantize.naive import unscaled_values
+from turboquant_vllm.quant.quartet2.kernels.marlin_mma.naive import emulate
+from turboquant_vllm.quant.quartet2.kernels.quantize import quantize_weight
 
 pytestmark = pytest.mark.gpu
 
@@ -51,9 +55,9 @@ def test_the_kernel_is_its_emulation_and_w4a16(dtype, shape):
         out = torch.full((tokens, n), float("nan"), dtype=dtype, device="cuda")
         y = call(x, m, out)
         assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
-        want = marlin_mma.emulate(x, m.weight, m.weight_scale, n, k, m.dense_alpha, splits, per)
+        want = emulate(x, m.weight, m.weight_scale, n, k, m.dense_alpha, splits, per)
         w = quantized(n, k)
-        magnitude = (x.double().abs() @ linear.unscaled_values(w.packed, w.scales).double().abs().t()
+        magnitude = (x.double().abs() @ unscaled_values(w.packed, w.scales).double().abs().t()
                      * w.tensor_scale.double())
         # one ulp of the output, or where the sum cancels, the tensor core's fp32 rounding of its terms
         bound = torch.finfo(dtype).eps * want.double().abs() + 2**-20 * magnitude
@@ -158,9 +162,9 @@ def test_bad_calls_are_refused():
 
 def test_the_fused_layer_keeps_its_per_part_scales():
     """qkv read from a checkpoint: parts with their own tensor scales, the per-column ratio after the kernel."""
-    parts = [linear.quantize_weight(random_weight(n, 512, 50 + i, s)) for i, (n, s) in enumerate([(256, 0.02),
+    parts = [quantize_weight(random_weight(n, 512, 50 + i, s)) for i, (n, s) in enumerate([(256, 0.02),
                                                                                                    (128, 0.3)])]
-    w = linear.NVFP4Weight(torch.cat([q.packed for q in parts]), torch.cat([q.scales for q in parts]),
+    w = nvfp4.NVFP4Weight(torch.cat([q.packed for q in parts]), torch.cat([q.scales for q in parts]),
                            torch.cat([q.tensor_scale.expand(q.packed.shape[0]) for q in parts]))
     m = marlin.prepare(w, torch.bfloat16)
     x = torch.randn(3, 512, device="cuda").to(torch.bfloat16)

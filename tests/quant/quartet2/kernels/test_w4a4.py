@@ -1,34 +1,24 @@
-"""quartet2's W4A4 path (quant.quartet2.w4a4) on the CPU: vLLM's CUTLASS NVFP4 GEMM replaced by a float64 reference of
-its contract (shapes, dtypes, the swizzled 128 x 4 scale layout read by the PTX formula, one fp32 alpha, the output
-rounded once to bf16 / fp16); the adapter's output against the exact emulation (linear.emulated_linear)."""
+"""quartet2's W4A4 path (quant.quartet2.kernels.w4a4) on the CPU: vLLM's CUTLASS NVFP4 GEMM replaced by its float64
+reference (naive.py) behind the kernel's checks (shapes, dtypes, the swizzled 128 x 4 scale layout, one fp32 alpha, the
+output rounded once to bf16 / fp16); the adapter's output against the exact emulation (kernels.emulate)."""
 
 import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.quant.quartet2.layers import nvfp4_fused_layer, on_the_fly_layer
-from turboquant_vllm.quant.quartet2 import checkpoint, config, linear, method, nvfp4, w4a4
-
-
-def tile_offset(r: torch.Tensor, g: torch.Tensor, padded_groups: int) -> torch.Tensor:
-    """Where scale (r, g) sits in the tcgen05 "128x4" scale-factor layout: 512-byte tiles of 128 rows x 4 groups,
-    row-major over the tiles; inside one, 32 lines of 16 bytes, line r % 32, byte (r // 32 % 4) * 4 + g % 4."""
-    return ((r // 128) * (padded_groups // 4) + g // 4) * 512 + (r % 32) * 16 + (r // 32 % 4) * 4 + g % 4
-
-
-def read_scales(swizzled: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
-    flat = swizzled.reshape(-1).view(torch.uint8)
-    r = torch.arange(rows, device=swizzled.device)[:, None]
-    g = torch.arange(groups, device=swizzled.device)[None, :]
-    return flat[tile_offset(r, g, swizzled.shape[1])].view(torch.float8_e4m3fn)
-
-
-def round_up(n, m):
-    return -(-n // m) * m
+from tests.quant.quartet2.plugin.layers import nvfp4_fused_layer, on_the_fly_layer
+from turboquant_vllm.quant.quartet2 import nvfp4
+from turboquant_vllm.quant.quartet2.kernels import w4a4
+from turboquant_vllm.quant.quartet2.kernels.emulate import emulated_linear
+from turboquant_vllm.quant.quartet2.kernels.quantize import quantize_parts, quantize_weight
+from turboquant_vllm.quant.quartet2.kernels.w4a4.naive import cutlass_scaled_fp4_mm_reference
+from turboquant_vllm.quant.quartet2.nvfp4.blocked import round_up, swizzle_scales
+from turboquant_vllm.quant.quartet2.plugin import paths
+from turboquant_vllm.quant.quartet2.plugin.config import Quartet2Config
 
 
 def fake_cutlass_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dtype):
-    """vllm._custom_ops.cutlass_scaled_fp4_mm's contract, its checks (csrc/quantization/fp4) included, in float64."""
+    """vllm._custom_ops.cutlass_scaled_fp4_mm: its checks (csrc/quantization/fp4), then its float64 reference."""
     assert a.dtype == b.dtype == torch.uint8 and a.dim() == b.dim() == 2 and a.shape[1] == b.shape[1]
     assert block_scale_a.dtype == block_scale_b.dtype == torch.float8_e4m3fn
     assert alpha.dtype == torch.float32 and alpha.numel() == 1 and out_dtype in (torch.bfloat16, torch.float16)
@@ -38,13 +28,7 @@ def fake_cutlass_scaled_fp4_mm(a, b, block_scale_a, block_scale_b, alpha, out_dt
     assert k % 32 == 0 and n % 32 == 0, (k, n)
     assert tuple(block_scale_a.shape) == (round_up(m, 128), round_up(k // 16, 4)), block_scale_a.shape
     assert tuple(block_scale_b.shape) == (round_up(n, 128), round_up(k // 16, 4)), block_scale_b.shape
-
-    def values(codes, swizzled, rows):
-        scales = read_scales(swizzled, rows, k // 16).double().repeat_interleave(16, dim=1)
-        return nvfp4.e2m1_value(nvfp4.unpack(codes)).double() * scales
-
-    out = values(a, block_scale_a, m) @ values(b, block_scale_b, n).t() * alpha.double()
-    return out.to(out_dtype)
+    return cutlass_scaled_fp4_mm_reference(a, b, block_scale_a, block_scale_b, alpha, out_dtype)
 
 
 @pytest.fixture
@@ -61,36 +45,14 @@ def fake_kernel(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("rows, groups", [(1, 1), (5, 3), (128, 4), (130, 10), (256, 8), (300, 17)])
-def test_the_scale_swizzle_is_the_kernels_layout_and_round_trips(rows, groups):
-    gen = torch.Generator().manual_seed(rows * 31 + groups)
-    scales = torch.randint(0, 127, (rows, groups), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
-    s = w4a4.swizzle_scales(scales)
-    assert s.dtype == torch.float8_e4m3fn and tuple(s.shape) == (round_up(rows, 128), round_up(groups, 4))
-    assert torch.equal(read_scales(s, rows, groups).view(torch.uint8), scales.view(torch.uint8))
-    assert torch.equal(w4a4.unswizzle_scales(s, rows, groups).view(torch.uint8), scales.view(torch.uint8))
-    assert int(s.view(torch.uint8).sum()) == int(scales.view(torch.uint8).sum())  # the padding is zeros
-    if rows % 128 == 0 and groups % 4 == 0:  # cuBLAS's blocked layout of CloverLM's checkpoints is the same
-        assert torch.equal(s.view(torch.uint8), checkpoint.block_scales(scales).view(torch.uint8))
-
-
-def test_the_swizzle_is_vllms(monkeypatch):
-    """vLLM's own swizzle_blockscale (what its NVFP4 linear kernels give the GEMM); it moves its result to CUDA."""
-    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import swizzle_blockscale
-
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
-    scales = torch.randint(0, 127, (200, 11), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(3)).view(torch.float8_e4m3fn)
-    assert torch.equal(w4a4.swizzle_scales(scales).view(torch.uint8), swizzle_blockscale(scales).view(torch.uint8))
-
-
-def test_the_fake_kernel_is_the_emulations_product():
-    """The stand-in itself, on operands quantized by the reference: float64 sums of code x scale products."""
+def test_the_kernels_reference_is_the_product_of_the_dequantized_operands():
+    """On operands quantized by the reference quantizer, odd sizes: float64 sums of code x scale products."""
     gen = torch.Generator().manual_seed(4)
-    x, w = torch.randn(3, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    x, w = torch.randn(5, 80, generator=gen), torch.randn(40, 80, generator=gen)
     xq, wq = nvfp4.quantize(x, tensor_scale=torch.tensor(1.0)), nvfp4.quantize(w, tensor_scale=torch.tensor(1.0))
-    out = fake_cutlass_scaled_fp4_mm(nvfp4.pack(xq.codes), nvfp4.pack(wq.codes), w4a4.swizzle_scales(xq.scales),
-                                     w4a4.swizzle_scales(wq.scales), torch.tensor([0.5]), torch.bfloat16)
+    out = cutlass_scaled_fp4_mm_reference(nvfp4.pack(xq.codes), nvfp4.pack(wq.codes), swizzle_scales(xq.scales),
+                                          swizzle_scales(wq.scales), torch.tensor([0.5]), torch.bfloat16)
+    assert out.shape == (5, 40) and not out.isnan().any()
     want = (nvfp4.dequantize(xq).double() @ nvfp4.dequantize(wq).double().t() * 0.5).to(torch.bfloat16)
     assert torch.equal(out, want)
 
@@ -113,7 +75,7 @@ def test_the_adapter_is_the_emulation(fake_kernel, dtype, n, k, parts):
     w = (torch.randn(n, k, generator=gen) * 0.05)
     if parts:
         w[parts[0]:] *= 20  # the second part's tensor scale 20x the first's
-    wq = linear.quantize_parts(w.to(dtype).to(DEVICE), parts or [n])
+    wq = quantize_parts(w.to(dtype).to(DEVICE), parts or [n])
     prepared = w4a4.prepare(wq)
     assert tuple(prepared.weight.shape) == (round_up(n, 32), round_up(k, 32) // 2)
     assert (prepared.channel_scale is None) == (parts is None)
@@ -121,15 +83,15 @@ def test_the_adapter_is_the_emulation(fake_kernel, dtype, n, k, parts):
     x[0, 0] *= 1000  # a loud row: the others keep their own tensor scales
     y = w4a4.w4a4_linear(x, prepared)
     assert y.shape == (2, 5, n) and y.dtype == dtype and len(fake_kernel) == 1
-    check_close(y, linear.emulated_linear(x, wq), dtype)
+    check_close(y, emulated_linear(x, wq), dtype)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE)
-    check_close(w4a4.w4a4_linear(x, prepared, bias), linear.emulated_linear(x, wq, bias), dtype, bias)
+    check_close(w4a4.w4a4_linear(x, prepared, bias), emulated_linear(x, wq, bias), dtype, bias)
     # a row's output does not depend on its batch
     torch.testing.assert_close(w4a4.w4a4_linear(x[1, 2:3], prepared), y[1, 2:3], rtol=0, atol=0)
 
 
 def test_the_adapter_refuses_fp32_and_passes_an_empty_batch(fake_kernel):
-    wq = linear.quantize_weight(torch.randn(32, 32).to(DEVICE))
+    wq = quantize_weight(torch.randn(32, 32).to(DEVICE))
     prepared = w4a4.prepare(wq)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         w4a4.w4a4_linear(torch.randn(2, 32).to(DEVICE), prepared)
@@ -157,8 +119,8 @@ def test_available_needs_sm100_and_vllms_fp4_gemm(monkeypatch):
 
 @pytest.fixture
 def on_blackwell(monkeypatch, fake_kernel):
-    monkeypatch.setattr(config, "gpu", lambda: (100, True, True))
-    monkeypatch.delenv(method.PATH_ENV, raising=False)
+    monkeypatch.setattr(paths, "gpu", lambda: (100, True, True))
+    monkeypatch.delenv(paths.PATH_ENV, raising=False)
     return fake_kernel
 
 
@@ -166,7 +128,7 @@ def on_blackwell(monkeypatch, fake_kernel):
 def test_the_method_on_the_w4a4_path_is_the_emulation(on_blackwell, one_rank, dtype):
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
-    config = method.Quartet2Config()
+    config = Quartet2Config()
     assert config.path == "w4a4"
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "model.layers.0.self_attn.qkv_proj")
     gen = torch.Generator().manual_seed(11)
@@ -178,7 +140,7 @@ def test_the_method_on_the_w4a4_path_is_the_emulation(on_blackwell, one_rank, dt
     x = torch.randn(7, 96, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(48, generator=gen).to(dtype).to(DEVICE)
     y = quant.apply(layer, x, bias)
-    check_close(y, linear.emulated_linear(x, linear.quantize_parts(w, [32, 16]), bias), dtype, bias)
+    check_close(y, emulated_linear(x, quantize_parts(w, [32, 16]), bias), dtype, bias)
     assert len(on_blackwell) == 1
 
 
@@ -186,14 +148,14 @@ def test_the_w4a4_path_reads_fused_nvfp4_checkpoints(on_blackwell, one_rank):
     """A CloverLM fused layer, two parts of their own tensor scales: each part's emulation, side by side."""
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
-    from tests.quant.quartet2.test_method import CLOVERLM_NVFP4
+    from tests.quant.quartet2.plugin.test_method import CLOVERLM_NVFP4
 
-    config = method.Quartet2Config.from_config(CLOVERLM_NVFP4)
+    config = Quartet2Config.from_config(CLOVERLM_NVFP4)
     assert config.path == "w4a4"
     quant = config.get_quant_method(object.__new__(ReplicatedLinear), "transformer.blocks.0.mhsa.lqkv")
     gen = torch.Generator().manual_seed(12)
-    stored = [linear.quantize_weight((torch.randn(128, 128, generator=gen) * s).to(DEVICE)) for s in (0.02, 0.5)]
+    stored = [quantize_weight((torch.randn(128, 128, generator=gen) * s).to(DEVICE)) for s in (0.02, 0.5)]
     layer = nvfp4_fused_layer(quant, stored)
     x = torch.randn(3, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    want = torch.cat([linear.emulated_linear(x, q) for q in stored], dim=-1)
+    want = torch.cat([emulated_linear(x, q) for q in stored], dim=-1)
     check_close(quant.apply(layer, x), want, torch.bfloat16)

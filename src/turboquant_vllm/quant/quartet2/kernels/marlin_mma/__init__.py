@@ -3,6 +3,7 @@ turboquant_vllm.quant.quartet2.kernels.marlin_mma build`) over Marlin's NVFP4 wo
 arithmetic, bit for bit). Importing it imports torch, never Triton (`turboquant-vllm verify` reads native.py)."""
 
 from .marlin_mma import (
+    MAX_CLUSTER,
     MAX_TOKENS,
     POLICY_TOKENS,
     clusters,
@@ -13,5 +14,5 @@ from .marlin_mma import (
     zero_flushed_codes,
 )
 
-__all__ = ["MAX_TOKENS", "POLICY_TOKENS", "clusters", "gemm", "reserve_workspace", "split_plan", "supported",
-           "zero_flushed_codes"]
+__all__ = ["MAX_CLUSTER", "MAX_TOKENS", "POLICY_TOKENS", "clusters", "gemm", "reserve_workspace", "split_plan",
+           "supported", "zero_flushed_codes"]
