@@ -1,4 +1,4 @@
-"""Fixtures for the vLLM plugin tests: a CPU VllmConfig, clean preset state, a CPU workspace."""
+"""Fixtures for the vLLM plugin tests: a CPU VllmConfig, no TurboQuant settings in the environment, a CPU workspace."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ PRESET_ENV = "TURBOQUANT_PRESET"
 
 @pytest.fixture(autouse=True)
 def clean_preset_state(monkeypatch):
-    """Each test starts with no preset in the environment and none fixed for the process."""
+    """Each test starts with no TurboQuant setting in the environment."""
     from turboquant_vllm.vllm import settings
 
     monkeypatch.delenv(PRESET_ENV, raising=False)
@@ -29,17 +30,25 @@ def clean_preset_state(monkeypatch):
     monkeypatch.delenv("TURBOQUANT_ALLOW_UNSUPPORTED_VLLM", raising=False)
     monkeypatch.delenv("TURBOQUANT_KEY_CALIBRATION", raising=False)
     monkeypatch.delenv("TURBOQUANT_COLLECT_KEY_STATISTICS", raising=False)
-    monkeypatch.setattr(settings, "_process_preset", None)
     settings.read_calibration.cache_clear()
     settings.key_statistics.clear()
 
 
-@pytest.fixture
-def vllm_config():
-    """A real VllmConfig on the CPU device (no model: model_config is None)."""
+class FakeVllmConfig(types.SimpleNamespace):
+    """A stand-in for a VllmConfig: the attributes given, and weak-referenceable as VllmConfig is (settings.py keys
+    each engine's settings by its config)."""
+
+
+def cpu_vllm_config(**additional_config):
+    """A real VllmConfig on the CPU device (no model: model_config is None): one engine's."""
     from vllm.config import DeviceConfig, VllmConfig
 
-    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+    return VllmConfig(device_config=DeviceConfig(device="cpu"), additional_config=additional_config)
+
+
+@pytest.fixture
+def vllm_config():
+    return cpu_vllm_config()
 
 
 @pytest.fixture
@@ -70,7 +79,7 @@ def make_layers(vllm_config, n, *, num_heads=32, num_kv_heads=8, head_size=128, 
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
-    from turboquant_vllm.vllm.backend import TQ4AttentionBackend
+    from turboquant_vllm.vllm.backend import TurboQuantAttentionBackend
 
     layers = []
     with set_current_vllm_config(vllm_config):
@@ -83,7 +92,7 @@ def make_layers(vllm_config, n, *, num_heads=32, num_kv_heads=8, head_size=128, 
                     num_kv_heads=num_kv_heads,
                     cache_config=vllm_config.cache_config,
                     prefix=f"model.layers.{i}.self_attn.attn",
-                    attn_backend=TQ4AttentionBackend,
+                    attn_backend=TurboQuantAttentionBackend,
                     **kwargs,
                 )
             )
@@ -93,12 +102,12 @@ def make_layers(vllm_config, n, *, num_heads=32, num_kv_heads=8, head_size=128, 
 def make_builder(vllm_config, layer_names, kv_heads=8, head_size=128, block_size=BLOCK, preset="tq4"):
     """The metadata builder vLLM makes for one attention group, over our spec."""
     from turboquant_vllm.vllm.kv_spec import TurboQuantFullAttentionSpec
-    from turboquant_vllm.vllm.metadata import TQ4MetadataBuilder
+    from turboquant_vllm.vllm.metadata import TurboQuantMetadataBuilder
 
     spec = TurboQuantFullAttentionSpec(
         block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=torch.uint8, turboquant_preset=preset
     )
-    return TQ4MetadataBuilder(spec, layer_names, vllm_config, torch.device("cpu"))
+    return TurboQuantMetadataBuilder(spec, layer_names, vllm_config, torch.device("cpu"))
 
 
 def make_cam(q_lens, seq_lens, num_actual_tokens=None, block_table=None, slot_mapping=None):

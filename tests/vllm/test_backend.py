@@ -9,13 +9,14 @@ import torch
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf
 
+from tests.vllm.conftest import FakeVllmConfig
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import PRESETS, get_preset
 from turboquant_vllm.vllm import compat
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend
-from turboquant_vllm.vllm.impl import TQ4AttentionImpl
+from turboquant_vllm.vllm.backend import TurboQuantAttentionBackend
+from turboquant_vllm.vllm.impl import TurboQuantAttentionImpl
 from turboquant_vllm.vllm.kv_spec import config_problems
-from turboquant_vllm.vllm.metadata import TQ4MetadataBuilder
+from turboquant_vllm.vllm.metadata import TurboQuantMetadataBuilder
 
 H200 = DeviceCapability(9, 0)
 
@@ -39,15 +40,16 @@ def validate(**overrides) -> list[str]:
         use_kv_connector=False,
     )
     cfg.update(overrides)
-    return TQ4AttentionBackend.validate_configuration(**cfg)
+    return TurboQuantAttentionBackend.validate_configuration(**cfg)
 
 
 def test_name_impl_builder():
-    assert TQ4AttentionBackend.get_name() == "CUSTOM"
-    assert TQ4AttentionBackend.get_impl_cls() is TQ4AttentionImpl
-    assert TQ4AttentionBackend.get_builder_cls() is TQ4MetadataBuilder
-    assert TQ4AttentionBackend.forward_includes_kv_cache_update is True  # forward stores (with the queries' rotation)
-    assert TQ4AttentionBackend.is_mla() is False
+    assert TurboQuantAttentionBackend.get_name() == "CUSTOM"
+    assert TurboQuantAttentionBackend.get_impl_cls() is TurboQuantAttentionImpl
+    assert TurboQuantAttentionBackend.get_builder_cls() is TurboQuantMetadataBuilder
+    # forward stores (with the queries' rotation)
+    assert TurboQuantAttentionBackend.forward_includes_kv_cache_update is True
+    assert TurboQuantAttentionBackend.is_mla() is False
 
 
 def test_a_plain_decoder_layer_is_valid():
@@ -57,22 +59,22 @@ def test_a_plain_decoder_layer_is_valid():
 
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 192, 256])
 def test_supported_head_sizes(head_size):
-    assert TQ4AttentionBackend.supports_head_size(head_size)
-    assert head_size in TQ4AttentionBackend.get_supported_head_sizes()
+    assert TurboQuantAttentionBackend.supports_head_size(head_size)
+    assert head_size in TurboQuantAttentionBackend.get_supported_head_sizes()
     assert validate(head_size=head_size) == []
 
 
 @pytest.mark.parametrize("head_size", [16, 72, 100, 257, 512])
 def test_unsupported_head_sizes_are_refused_with_the_constraint(head_size):
-    assert not TQ4AttentionBackend.supports_head_size(head_size)
+    assert not TurboQuantAttentionBackend.supports_head_size(head_size)
     (reason,) = validate(head_size=head_size)
     assert f"head size {head_size}" in reason and "multiple of 16" in reason and "--attention-backend" in reason
 
 
 def test_dtypes():
-    assert TQ4AttentionBackend.supports_dtype(torch.bfloat16)
-    assert TQ4AttentionBackend.supports_dtype(torch.float16)
-    assert not TQ4AttentionBackend.supports_dtype(torch.float32)
+    assert TurboQuantAttentionBackend.supports_dtype(torch.bfloat16)
+    assert TurboQuantAttentionBackend.supports_dtype(torch.float16)
+    assert not TurboQuantAttentionBackend.supports_dtype(torch.float32)
     (reason,) = validate(dtype=torch.float32)
     assert "--dtype bfloat16" in reason
 
@@ -84,10 +86,10 @@ def test_other_kv_cache_dtypes_are_refused(kv_cache_dtype):
 
 
 def test_block_sizes():
-    assert TQ4AttentionBackend.get_supported_kernel_block_sizes()[0].base == 16
-    assert isinstance(TQ4AttentionBackend.get_supported_kernel_block_sizes()[0], MultipleOf)
+    assert TurboQuantAttentionBackend.get_supported_kernel_block_sizes()[0].base == 16
+    assert isinstance(TurboQuantAttentionBackend.get_supported_kernel_block_sizes()[0], MultipleOf)
     for ok in (16, 32, 64, 128, 256, 544):
-        assert TQ4AttentionBackend.supports_block_size(ok)
+        assert TurboQuantAttentionBackend.supports_block_size(ok)
     (reason,) = validate(block_size=8)
     assert "multiple of 16" in reason
 
@@ -101,7 +103,7 @@ def test_mla_is_refused():
     "attn_type", [AttentionType.ENCODER, AttentionType.ENCODER_ONLY, AttentionType.ENCODER_DECODER]
 )
 def test_encoder_and_cross_attention_are_refused(attn_type):
-    assert not TQ4AttentionBackend.supports_attn_type(attn_type)
+    assert not TurboQuantAttentionBackend.supports_attn_type(attn_type)
     (reason,) = validate(attn_type=attn_type)
     assert "decoder self-attention" in reason and "--attention-backend" in reason
 
@@ -123,26 +125,37 @@ def test_unsupported_features_are_refused(flag, needle):
 
 
 def test_compute_capability():
-    assert TQ4AttentionBackend.supports_batch_invariance()
-    assert TQ4AttentionBackend.supports_compute_capability(DeviceCapability(8, 0))
-    assert TQ4AttentionBackend.supports_compute_capability(H200)
+    assert TurboQuantAttentionBackend.supports_batch_invariance()
+    assert TurboQuantAttentionBackend.supports_compute_capability(DeviceCapability(8, 0))
+    assert TurboQuantAttentionBackend.supports_compute_capability(H200)
     (reason,) = validate(device_capability=DeviceCapability(7, 5))
     assert "8.0" in reason
 
 
 def test_cuda_graph_support_covers_uniform_decode_batches():
-    support = TQ4MetadataBuilder.get_cudagraph_support(None, None)
+    support = TurboQuantMetadataBuilder.get_cudagraph_support(None, None)
     assert support.value >= AttentionCGSupport.UNIFORM_BATCH.value
 
 
 def test_kv_cache_shape_is_the_compressed_layout():
-    shape = TQ4AttentionBackend.get_kv_cache_shape(1000, 16, 8, 128, cache_dtype_str="auto")
+    tq4 = TurboQuantAttentionBackend.for_preset("tq4")
+    shape = tq4.get_kv_cache_shape(1000, 16, 8, 128, cache_dtype_str="auto")
     assert shape == CacheLayout(get_preset("tq4"), 128, 8, 16).cache_shape(1000) == (1000, 8, 16 * 136)
     # vLLM finds the block dimension by probing the shape
-    assert TQ4AttentionBackend.get_kv_cache_block_dim(16, 8, 128) == 0
-    assert TQ4AttentionBackend.indexes_kv_by_block_stride() is False
+    assert tq4.get_kv_cache_block_dim(16, 8, 128) == 0
+    assert tq4.indexes_kv_by_block_stride() is False
     with pytest.raises(ValueError, match="multiple of 16"):
-        TQ4AttentionBackend.get_kv_cache_shape(10, 8, 8, 128)
+        tq4.get_kv_cache_shape(10, 8, 8, 128)
+
+
+def test_only_a_presets_backend_has_a_cache_shape(monkeypatch):
+    """vLLM shapes a layer's cache with its layer's backend, which bind_layer_presets made its preset's."""
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
+    with pytest.raises(ValueError, match="no KV-cache shape of its own.*for_preset"):
+        TurboQuantAttentionBackend.get_kv_cache_shape(2, 16, 4, 128)
+    k3v2 = TurboQuantAttentionBackend.for_preset("k3v2")
+    assert k3v2 is TurboQuantAttentionBackend.for_preset("k3v2") and k3v2.__name__ == "TurboQuantAttentionBackend_k3v2"
+    assert issubclass(k3v2, TurboQuantAttentionBackend) and k3v2.get_name() == "CUSTOM"
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -151,9 +164,8 @@ def test_every_preset_serves_every_supported_head_size(preset, monkeypatch):
     assert [validate(head_size=d) for d in (32, 64, 96, 128, 256)] == [[]] * 5
 
 
-def test_kv_cache_shape_follows_the_preset(monkeypatch):
-    monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
-    assert TQ4AttentionBackend.get_kv_cache_shape(2, 16, 4, 128) == (2, 4, 16 * 104)
+def test_kv_cache_shape_follows_the_preset():
+    assert TurboQuantAttentionBackend.for_preset("tq3").get_kv_cache_shape(2, 16, 4, 128) == (2, 4, 16 * 104)
 
 
 def fake_config(**parts):
@@ -168,7 +180,7 @@ def fake_config(**parts):
     for key, value in parts.items():
         section, attr = key.split("__")
         setattr(base[section], attr, value)
-    return types.SimpleNamespace(**base)
+    return FakeVllmConfig(**base)
 
 
 @pytest.mark.parametrize(
@@ -196,14 +208,14 @@ def test_impl_refuses_what_it_cannot_run(vllm_config):
 
     with set_current_vllm_config(vllm_config):
         with pytest.raises(ValueError, match="ALiBi"):
-            TQ4AttentionImpl(8, 128, 0.1, 8, [0.5] * 8, None, "auto")
+            TurboQuantAttentionImpl(8, 128, 0.1, 8, [0.5] * 8, None, "auto")
         with pytest.raises(ValueError, match="decoder self-attention"):
-            TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", attn_type=AttentionType.ENCODER_DECODER)
+            TurboQuantAttentionImpl(8, 128, 0.1, 8, None, None, "auto", attn_type=AttentionType.ENCODER_DECODER)
         with pytest.raises(ValueError, match="sinks"):
-            TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", sinks=torch.zeros(8))
+            TurboQuantAttentionImpl(8, 128, 0.1, 8, None, None, "auto", sinks=torch.zeros(8))
         with pytest.raises(ValueError, match="head_dim"):
-            TQ4AttentionImpl(8, 72, 0.1, 8, None, None, "auto")
+            TurboQuantAttentionImpl(8, 72, 0.1, 8, None, None, "auto")
         with pytest.raises(ValueError, match="chunk_lookback"):
-            TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", chunk_lookback=512)
+            TurboQuantAttentionImpl(8, 128, 0.1, 8, None, None, "auto", chunk_lookback=512)
         # options passed with their "off" value are fine
-        TQ4AttentionImpl(8, 128, 0.1, 8, None, None, "auto", chunk_lookback=-1, sinks=None)
+        TurboQuantAttentionImpl(8, 128, 0.1, 8, None, None, "auto", chunk_lookback=-1, sinks=None)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vllm.conftest import make_builder, make_cam, make_layers
+from tests.vllm.conftest import cpu_vllm_config, make_builder, make_cam, make_layers
 from turboquant_vllm.core.calibration import KeyCalibration, save_calibration
 from turboquant_vllm.core.layout import layout_of_cache
 from turboquant_vllm.ops import store_kv
 from turboquant_vllm.ops.attention.naive import paged_attention_reference
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend
 from turboquant_vllm.vllm.settings import key_statistics, rank_kv_heads
 
 BLOCK = 16
@@ -55,7 +54,7 @@ def test_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatc
     seq_lens = [c + q for c, q in zip(cached, q_lens)]
     blocks_per_seq = [-(-s // BLOCK) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 5
-    kv_cache = torch.zeros(TQ4AttentionBackend.get_kv_cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM),
+    kv_cache = torch.zeros(layer.get_attn_backend().get_kv_cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM),
                            dtype=torch.uint8)
     perm = torch.randperm(num_blocks, generator=gen)[: sum(blocks_per_seq)].to(torch.int32)
     block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
@@ -123,9 +122,10 @@ def test_calibration_of_another_model_is_refused(vllm_config, monkeypatch, tmp_p
     (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
     with pytest.raises(ValueError, match="no layer 'model.layers.0.self_attn.attn'.*turboquant-vllm calibrate"):
         layer.impl.process_weights_after_loading(torch.bfloat16)
+    monkeypatch.delenv("TURBOQUANT_KEY_CALIBRATION")
     path = write_calibration(tmp_path / "b.safetensors", ["model.layers.1.self_attn.attn"], kv_heads=4)
-    monkeypatch.setenv("TURBOQUANT_KEY_CALIBRATION", path)
-    (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, first=1)
+    other_engine = cpu_vllm_config(turboquant_key_calibration=path)
+    (layer,) = make_layers(other_engine, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, first=1)
     with pytest.raises(ValueError, match="has 4 KV heads of dim 64.*serves 2"):
         layer.impl.process_weights_after_loading(torch.bfloat16)
 
@@ -137,7 +137,7 @@ def test_calibration_is_refused_with_softcap_and_missing_files(vllm_config, monk
     path = write_calibration(tmp_path / "keys.safetensors", ["model.layers.1.self_attn.attn"])
     monkeypatch.setenv("TURBOQUANT_KEY_CALIBRATION", path)
     with pytest.raises(ValueError, match="soft-cap"):
-        make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, first=1,
+        make_layers(cpu_vllm_config(), 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, first=1,
                     logits_soft_cap=30.0)
 
 
@@ -153,7 +153,7 @@ def test_collecting_sums_real_tokens_only(vllm_config, workspace, bf16_default, 
     (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
     layer.impl.process_weights_after_loading(torch.bfloat16)
     builder = make_builder(vllm_config, [layer.layer_name], kv_heads=KV_HEADS, head_size=HEAD_DIM)
-    kv_cache = torch.zeros(TQ4AttentionBackend.get_kv_cache_shape(4, BLOCK, KV_HEADS, HEAD_DIM), dtype=torch.uint8)
+    kv_cache = torch.zeros(layer.get_attn_backend().get_kv_cache_shape(4, BLOCK, KV_HEADS, HEAD_DIM), dtype=torch.uint8)
     q, k = torch.randn(12, Q_HEADS, HEAD_DIM), torch.randn(12, KV_HEADS, HEAD_DIM)
     slots = torch.arange(10, dtype=torch.int64)
     slots[4] = -1  # a skipped token
@@ -234,7 +234,7 @@ def test_batch_invariant_rows_equal_whatever_the_step(vllm_config, workspace, bf
     values = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16) for n in lens]
     queries = [torch.randn(n, Q_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16) for n in lens]
     block_table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
-    shape = TQ4AttentionBackend.get_kv_cache_shape(6, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = layer.get_attn_backend().get_kv_cache_shape(6, BLOCK, KV_HEADS, HEAD_DIM)
 
     def step(parts):
         """One forward over fresh pages: parts = [(request, first new position)], the earlier positions stored

@@ -22,7 +22,7 @@ from tests.vllm.conftest import make_layers
 from turboquant_vllm.core.layout import CacheLayout
 from turboquant_vllm.core.presets import PRESETS, get_preset
 from turboquant_vllm.vllm import kv_spec
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend
+from turboquant_vllm.vllm.backend import TurboQuantAttentionBackend
 from turboquant_vllm.vllm.kv_spec import TurboQuantFullAttentionSpec, TurboQuantSlidingWindowSpec
 
 
@@ -175,7 +175,9 @@ def test_v2_runner_allocation_gives_byte_pages(vllm_config):
     from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
 
     names, config = small_kv_cache_config(vllm_config)
-    groups = [AttentionGroup(TQ4AttentionBackend, list(names), config.kv_cache_groups[0].kv_cache_spec, 0)]
+    # the runners' groups take their layers' backend, bound to the layers' preset (bind_layer_presets)
+    tq4 = TurboQuantAttentionBackend.for_preset("tq4")
+    groups = [AttentionGroup(tq4, list(names), config.kv_cache_groups[0].kv_cache_spec, 0)]
     kernel_block_sizes = prepare_kernel_block_sizes(config, [groups])
     assert kernel_block_sizes == [16]  # never a split of vLLM's block
     raw = attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"))
@@ -193,7 +195,9 @@ def test_v1_runner_reshape_gives_byte_pages(vllm_config):
     from vllm.v1.worker.utils import AttentionGroup
 
     names, config = small_kv_cache_config(vllm_config)
-    groups = [AttentionGroup(TQ4AttentionBackend, list(names), config.kv_cache_groups[0].kv_cache_spec, 0)]
+    # the runners' groups take their layers' backend, bound to the layers' preset (bind_layer_presets)
+    tq4 = TurboQuantAttentionBackend.for_preset("tq4")
+    groups = [AttentionGroup(tq4, list(names), config.kv_cache_groups[0].kv_cache_spec, 0)]
     raw = {}
     for tensor in config.kv_cache_tensors:  # GPUModelRunner._allocate_kv_cache_tensors
         buffer = torch.zeros(tensor.size, dtype=torch.int8)

@@ -15,7 +15,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_configs, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
-from tests.vllm.conftest import make_cam, make_layers, workspace_bytes
+from tests.vllm.conftest import FakeVllmConfig, make_cam, make_layers, workspace_bytes
 from tests.vllm.test_backend import validate
 from turboquant_vllm.core.layout import CacheLayout, cache_layout, layout_of_cache
 from turboquant_vllm.core.presets import get_preset
@@ -23,16 +23,16 @@ from turboquant_vllm.ops import store_kv
 from turboquant_vllm.ops.attention import num_sms
 from turboquant_vllm.ops.attention.naive import paged_attention_reference
 from turboquant_vllm.vllm import compat, impl, kv_spec, settings
-from turboquant_vllm.vllm.backend import TQ4AttentionBackend
-from turboquant_vllm.vllm.impl import TQ4AttentionImpl
+from turboquant_vllm.vllm.backend import TurboQuantAttentionBackend
+from turboquant_vllm.vllm.impl import TurboQuantAttentionImpl
 from turboquant_vllm.vllm.kv_spec import TurboQuantFullAttentionSpec
-from turboquant_vllm.vllm.metadata import TQ4MetadataBuilder, max_workspace_elems
+from turboquant_vllm.vllm.metadata import TurboQuantMetadataBuilder, max_workspace_elems
 from turboquant_vllm.vllm.settings import (
     LAYER_PRESETS_CONFIG_KEY,
     LAYER_PRESETS_ENV,
     describe_layer_presets,
     parse_layer_presets,
-    resolve_layer_presets,
+    resolve_settings,
 )
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 4, 2, 64, 16, 4
@@ -41,7 +41,11 @@ BF16_PAGE = BLOCK * KV_HEADS * 2 * HEAD_DIM * 2
 
 
 def config_with(value):
-    return types.SimpleNamespace(additional_config={LAYER_PRESETS_CONFIG_KEY: value})
+    return {LAYER_PRESETS_CONFIG_KEY: value}
+
+
+def layer_presets_of(additional_config):
+    return resolve_settings(additional_config).layer_presets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -49,10 +53,10 @@ def config_with(value):
 # ---------------------------------------------------------------------------------------------
 def test_env_and_config_forms_give_the_same_presets(monkeypatch):
     expected = {0: "bf16", 1: "bf16", 28: "bf16", 29: "bf16", 5: "k4v3", 6: "k4v3", 7: "k4v3"}
-    from_config = resolve_layer_presets(config_with({"0,1,28,29": "bf16", "5-7": "k4v3"}))
+    from_config = layer_presets_of(config_with({"0,1,28,29": "bf16", "5-7": "k4v3"}))
     assert from_config.resolve(30) == expected and LAYER_PRESETS_CONFIG_KEY in from_config.source
     monkeypatch.setenv(LAYER_PRESETS_ENV, " 0, 1,28,29 = BF16 ; 5-7=k4v3 ;")
-    from_env = resolve_layer_presets(None)
+    from_env = layer_presets_of(None)
     assert from_env.resolve(30) == expected and from_env.source == LAYER_PRESETS_ENV
 
 
@@ -63,17 +67,17 @@ def test_negative_indices_and_ranges_count_from_the_end():
 
 
 def test_nothing_given_is_no_layer_presets(monkeypatch):
-    assert resolve_layer_presets(None) is None
-    assert resolve_layer_presets(config_with({})) is None
+    assert layer_presets_of(None) is None
+    assert layer_presets_of(config_with({})) is None
     monkeypatch.setenv(LAYER_PRESETS_ENV, " ; ")
-    assert resolve_layer_presets(None) is None
+    assert layer_presets_of(None) is None
 
 
 def test_given_both_ways_they_must_agree(monkeypatch):
     monkeypatch.setenv(LAYER_PRESETS_ENV, "0=bf16;5-7=k4v3")
-    assert resolve_layer_presets(config_with({"5-7": "K4V3", "0": "bf16"})).resolve(8)[6] == "k4v3"  # any order
+    assert layer_presets_of(config_with({"5-7": "K4V3", "0": "bf16"})).resolve(8)[6] == "k4v3"  # any order
     with pytest.raises(ValueError, match="given twice.*keep one of them"):
-        resolve_layer_presets(config_with({"0": "bf16"}))
+        layer_presets_of(config_with({"0": "bf16"}))
 
 
 @pytest.mark.parametrize(
@@ -84,12 +88,12 @@ def test_given_both_ways_they_must_agree(monkeypatch):
 def test_malformed_entries_are_refused(monkeypatch, text, needle):
     monkeypatch.setenv(LAYER_PRESETS_ENV, text)
     with pytest.raises(ValueError, match=f"^{LAYER_PRESETS_ENV}: .*{needle}"):
-        resolve_layer_presets(None)
+        layer_presets_of(None)
 
 
 def test_config_value_must_be_an_object():
     with pytest.raises(ValueError, match="expected a JSON object"):
-        resolve_layer_presets(config_with(["0", "bf16"]))
+        layer_presets_of(config_with(["0", "bf16"]))
 
 
 @pytest.mark.parametrize(
@@ -117,8 +121,8 @@ def test_a_preset_the_head_size_cannot_take_is_refused():
     [({"0": "tq0"}, 128, "unknown preset 'tq0'"), ({"40": "bf16"}, 128, "reach past the model's 32 layers")],
 )
 def test_the_backend_selector_refuses_bad_layer_presets(monkeypatch, value, head_size, needle):
-    cfg = config_with(value)
-    cfg.model_config = types.SimpleNamespace(get_total_num_hidden_layers=lambda: 32)
+    cfg = FakeVllmConfig(additional_config=config_with(value),
+                         model_config=types.SimpleNamespace(get_total_num_hidden_layers=lambda: 32))
     monkeypatch.setattr(compat, "current_vllm_config", lambda: cfg)
     reasons = validate(head_size=head_size)
     assert any(needle in r and LAYER_PRESETS_CONFIG_KEY in r for r in reasons), reasons
@@ -177,9 +181,9 @@ def test_each_layer_is_bound_to_its_preset(model, monkeypatch):
         assert type(spec) is FullAttentionSpec and spec.dtype == torch.bfloat16 and spec.page_size_bytes == BF16_PAGE
     for layer, name in ((layers[1], "k4v3"), (layers[2], "tq4")):
         backend = layer.get_attn_backend()
-        assert issubclass(backend, TQ4AttentionBackend) and backend.preset_name == name
+        assert issubclass(backend, TurboQuantAttentionBackend) and backend.preset_name == name
         assert backend.get_name() == "CUSTOM"
-        assert isinstance(layer.impl, TQ4AttentionImpl) and layer.impl.layout == layout_of(name)
+        assert isinstance(layer.impl, TurboQuantAttentionImpl) and layer.impl.layout == layout_of(name)
         spec = layer.get_kv_cache_spec(model)
         assert type(spec) is TurboQuantFullAttentionSpec and spec.turboquant_preset == name
         assert spec.page_size_bytes == layout_of(name).page_bytes
@@ -202,12 +206,11 @@ def test_without_layer_presets_every_layer_takes_the_preset(model, monkeypatch):
     assert type(group.kv_cache_spec) is TurboQuantFullAttentionSpec  # vLLM's uniform path, as before
 
 
-def test_bad_layer_presets_fail_before_the_weights_load(model, monkeypatch):
-    monkeypatch.setenv(LAYER_PRESETS_ENV, "4=bf16")
-    with pytest.raises(ValueError, match="reach past the model's 4 layers"):
-        build(model, 1)
-    monkeypatch.setenv(LAYER_PRESETS_ENV, "1=tq9")
-    with pytest.raises(ValueError, match="unknown preset 'tq9'"):
+@pytest.mark.parametrize("value, needle", [("4=bf16", "reach past the model's 4 layers"),
+                                           ("1=tq9", "unknown preset 'tq9'")])
+def test_bad_layer_presets_fail_before_the_weights_load(model, monkeypatch, value, needle):
+    monkeypatch.setenv(LAYER_PRESETS_ENV, value)
+    with pytest.raises(ValueError, match=needle):
         build(model, 1)
 
 
@@ -379,7 +382,7 @@ def test_a_turboquant_layer_attends_over_its_own_preset(model, workspace, monkey
     monkeypatch.setenv(LAYER_PRESETS_ENV, MIXED)
     layer = build(model)[1]
     spec = layer.get_kv_cache_spec(model)
-    builder = TQ4MetadataBuilder(spec, [layer.layer_name], model, torch.device("cpu"))
+    builder = TurboQuantMetadataBuilder(spec, [layer.layer_name], model, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     cached, seq_lens = [20, 37, 5], [21, 38, 6]  # a step of three decodes
     block_table = torch.arange(9, dtype=torch.int32).view(3, 3)

@@ -93,12 +93,12 @@ def test_builds_for_capture_and_drafting(builder):
 def test_builder_refuses_an_uncompressed_spec(vllm_config, bf16_default):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from turboquant_vllm.vllm.metadata import TQ4MetadataBuilder
+    from turboquant_vllm.vllm.metadata import TurboQuantMetadataBuilder
 
     make_layers(vllm_config, 1)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="not a TurboQuant spec"):
-        TQ4MetadataBuilder(spec, ["model.layers.0.self_attn.attn"], vllm_config, torch.device("cpu"))
+        TurboQuantMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], vllm_config, torch.device("cpu"))
 
 
 def test_long_prefills_take_the_dense_path(builder, monkeypatch):

@@ -34,23 +34,26 @@ def test_register_is_idempotent_and_registers_custom():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     import turboquant_vllm.vllm as plugin
-    from turboquant_vllm.vllm.backend import TQ4AttentionBackend
+    from turboquant_vllm.vllm.backend import TurboQuantAttentionBackend
 
     plugin.register()
     plugin.register()
-    assert AttentionBackendEnum.CUSTOM.get_path() == "turboquant_vllm.vllm.TQ4AttentionBackend"
-    assert AttentionBackendEnum.CUSTOM.get_class() is TQ4AttentionBackend
-    assert plugin.TQ4AttentionBackend is TQ4AttentionBackend
-    assert TQ4AttentionBackend.get_name() == "CUSTOM"
-    assert AttentionBackendEnum[TQ4AttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
+    assert AttentionBackendEnum.CUSTOM.get_path() == "turboquant_vllm.vllm.TurboQuantAttentionBackend"
+    assert AttentionBackendEnum.CUSTOM.get_class() is TurboQuantAttentionBackend
+    assert plugin.TurboQuantAttentionBackend is TurboQuantAttentionBackend
+    assert plugin.TQ4AttentionBackend is TurboQuantAttentionBackend  # the older name, which deployments give
+    assert TurboQuantAttentionBackend.get_name() == "CUSTOM"
+    assert AttentionBackendEnum[TurboQuantAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
 
 
-def test_register_refuses_an_unknown_preset(monkeypatch):
+@pytest.mark.parametrize("env, value, needle", [("TURBOQUANT_PRESET", "tq7", "TURBOQUANT_PRESET.*tq4"),
+                                                ("TURBOQUANT_LAYER_PRESETS", "0=tq7", "TURBOQUANT_LAYER_PRESETS.*tq7")])
+def test_register_refuses_a_bad_setting(monkeypatch, env, value, needle):
     import turboquant_vllm.vllm as plugin
 
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setenv("TURBOQUANT_PRESET", "tq7")
-    with pytest.raises(ValueError, match="TURBOQUANT_PRESET.*tq4"):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=needle):
         plugin.register()
 
 
@@ -85,7 +88,7 @@ def test_vllm_plugin_loader_registers_us_without_cuda(tmp_path):
         {"VLLM_PLUGINS": declared_entry_point()[0]},
     )
     assert out == {
-        "path": "turboquant_vllm.vllm.TQ4AttentionBackend",
+        "path": "turboquant_vllm.vllm.TurboQuantAttentionBackend",
         "cuda_initialized": False,
         "backend_imported": False,
         "kernels_imported": False,
@@ -100,8 +103,8 @@ def test_importing_the_backend_touches_no_cuda(tmp_path):
         import torch
         import turboquant_vllm.vllm as plugin
         plugin.register()
-        backend = plugin.TQ4AttentionBackend
-        shape = backend.get_kv_cache_shape(4, 16, 8, 128)
+        backend = plugin.TurboQuantAttentionBackend
+        shape = backend.for_preset("tq4").get_kv_cache_shape(4, 16, 8, 128)
         print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(), "shape": list(shape)}))
         """,
         tmp_path,

@@ -46,8 +46,9 @@ def test_backend_resolution_refuses_an_unsupported_vllm(monkeypatch):
     import turboquant_vllm.vllm as plugin
 
     monkeypatch.setattr(requirements, "installed_vllm_version", lambda: "0.28.0")
-    with pytest.raises(requirements.UnsupportedVLLMVersion, match=r">=0\.25,<0\.26"):
-        plugin.TQ4AttentionBackend  # noqa: B018 - what vLLM resolves for CUSTOM
+    for name in plugin.BACKEND_NAMES:  # what vLLM resolves for CUSTOM, and the older name deployments give
+        with pytest.raises(requirements.UnsupportedVLLMVersion, match=r">=0\.25,<0\.26"):
+            getattr(plugin, name)
 
 
 def test_fresh_process_with_unsupported_vllm(tmp_path):
@@ -69,6 +70,6 @@ def test_fresh_process_with_unsupported_vllm(tmp_path):
         """,
         tmp_path,
     )
-    assert out["path"] == "turboquant_vllm.vllm.TQ4AttentionBackend"
+    assert out["path"] == "turboquant_vllm.vllm.TurboQuantAttentionBackend"
     assert out["error"][0] == "UnsupportedVLLMVersion"
     assert ">=0.25,<0.26" in out["error"][1] and "0.28.0" in out["error"][1]

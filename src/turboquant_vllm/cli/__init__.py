@@ -12,7 +12,17 @@ import sys
 from .. import __version__
 from ..vllm.requirements import SUPPORTED_VLLM
 from . import cloverlm
-from .arguments import Parser, UsageError, _fraction, _int_pairs, _positive, _preset, _presets, preset_names
+from .arguments import (
+    Parser,
+    UsageError,
+    _fraction,
+    _int_pairs,
+    _json_object,
+    _positive,
+    _preset,
+    _presets,
+    preset_names,
+)
 from .commands import cmd_bench, cmd_calibrate, cmd_demo, cmd_model, cmd_serve, cmd_verify
 
 
@@ -27,10 +37,13 @@ def build_parser() -> Parser:
     ap.add_argument("--version", action="version", version=f"turboquant-vllm {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    v = sub.add_parser("verify", help="check the install (package, vLLM, GPU) and the quantizer's distortion",
+    v = sub.add_parser("verify", help="check the install (package, vLLM, GPU, settings) and the quantizer's distortion",
                        description="Check that the turboquant_vllm Python imports is this project's (PyPI's "
-                       "turboquant-vllm is another project), report vLLM and the GPU, measure the quantizer's "
-                       "distortion against the Lloyd-Max optimum and list the presets' bytes; with --kernels, run "
+                       "turboquant-vllm is another project), report vLLM and the GPU, check the TurboQuant settings "
+                       "(TURBOQUANT_PRESET, TURBOQUANT_LAYER_PRESETS, TURBOQUANT_KEY_CALIBRATION, --additional-config) "
+                       "as vllm serve would and say what it would serve with (exit 2 where it would refuse them), "
+                       "measure the quantizer's distortion against the Lloyd-Max optimum and list the presets' bytes; "
+                       "with --kernels, run "
                        "the store and decode attention kernels once against the float32 reference (on a CPU through "
                        "Triton's interpreter). Exit 1 on a failed check. Needs neither vLLM nor a GPU.")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
@@ -42,6 +55,9 @@ def build_parser() -> Parser:
     v.add_argument("--preset", type=_preset, help=preset_help + "; the one --kernels checks")
     v.add_argument("--context", type=_positive(int), default=64,
                    help="--kernels: tokens of the longer of the two sequences (default %(default)s)")
+    v.add_argument("--additional-config", type=_json_object, metavar="JSON",
+                   help="the --additional-config you give vllm serve, checked with the environment's settings, e.g. "
+                   "'{\"turboquant_preset\": \"tq3\", \"turboquant_layer_presets\": {\"0,-1\": \"bf16\"}}'")
 
     d = sub.add_parser("demo", help="a real model with and without the compressed cache: answers, bytes, perplexity",
                        description="Run a small real model (SmolLM2-135M-Instruct, converted once from the PyPI "
@@ -78,8 +94,9 @@ def build_parser() -> Parser:
 
     s = sub.add_parser("serve", help="vllm serve MODEL --attention-backend CUSTOM with a preset",
                        usage="turboquant-vllm serve [-h] [--preset PRESET] MODEL [VLLM_ARGS...]", allow_abbrev=False,
-                       description="Run `vllm serve MODEL --attention-backend CUSTOM` with the preset set. Every "
-                       "other argument goes to vLLM unchanged (see `vllm serve --help`), e.g. "
+                       description="Run `vllm serve MODEL --attention-backend CUSTOM --additional-config "
+                       "'{\"turboquant_preset\": PRESET}'` (merged with an --additional-config among the vLLM "
+                       "arguments). Every other argument goes to vLLM unchanged (see `vllm serve --help`), e.g. "
                        "turboquant-vllm serve Qwen/Qwen2.5-7B-Instruct --preset tq3 --max-model-len 32768. "
                        f"Needs vLLM {SUPPORTED_VLLM} and an NVIDIA GPU of compute capability >= 8.0.")
     s.add_argument("model", metavar="MODEL", help="Hugging Face hub id (ORG/NAME) or local model directory")

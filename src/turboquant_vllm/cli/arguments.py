@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..vllm.requirements import ALLOW_UNSUPPORTED_ENV, SUPPORTED_VLLM, installed_vllm_version, is_supported_vllm
+from ..vllm.requirements import (
+    ALLOW_UNSUPPORTED_ENV,
+    MIN_COMPUTE_CAPABILITY,
+    SUPPORTED_VLLM,
+    installed_vllm_version,
+    is_supported_vllm,
+)
+
+if TYPE_CHECKING:
+    from ..vllm.settings import TurboQuantSettings
 
 INSTALL_VLLM = f'pip install "vllm{SUPPORTED_VLLM}" (or, in this project\'s source tree, pip install ".[vllm]")'
 
@@ -32,7 +44,7 @@ def preset_names() -> list[str]:
 
 
 def _preset(text: str) -> str:
-    """argparse type: a preset name, canonical (lower case)."""
+    """argparse type: a preset name, canonical (lower case); the check the settings resolver makes."""
     from ..core.presets import get_preset
 
     try:
@@ -78,20 +90,74 @@ def _int_pairs(sep: str, what: str):
     return parse
 
 
-def resolve_preset(given: str | None) -> str:
-    """--preset if given, else $TURBOQUANT_PRESET, else tq4; an unknown name in the environment is a usage error."""
-    from ..core.presets import DEFAULT_PRESET
-    from ..vllm.settings import PRESET_ENV
-
-    if given:
-        return given
-    env = os.environ.get(PRESET_ENV, "").strip()
-    if not env:
-        return DEFAULT_PRESET
+def _json_object(text: str) -> dict:
+    """argparse type: a JSON object, as vLLM's --additional-config takes it."""
     try:
-        return _preset(env)
-    except argparse.ArgumentTypeError as exc:
-        raise UsageError(f"{PRESET_ENV}={env!r}: {exc}") from None
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{\"key\": value, ...}}, got {text!r}")
+    return value
+
+
+def serving_settings(additional_config: Mapping | None = None,
+                     environ: Mapping[str, str] | None = None) -> TurboQuantSettings:
+    """The settings `vllm serve --attention-backend CUSTOM` resolves from --additional-config and the environment,
+    through the backend's own resolver; a bad setting is a UsageError naming it."""
+    from ..vllm.settings import resolve_settings
+
+    try:
+        return resolve_settings(additional_config, environ)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def chosen_preset(given: str | None) -> str:
+    """--preset if given (its type checked it), else the preset the serving settings choose: $TURBOQUANT_PRESET, else
+    tq4."""
+    return given or serving_settings().preset.name
+
+
+ADDITIONAL_CONFIG = "--additional-config"
+
+
+def split_additional_config(vllm_args: list[str]) -> tuple[dict, list[str]]:
+    """(vLLM's --additional-config among vllm_args, merged into one object; the other arguments). vLLM takes it as
+    JSON (--additional-config '{"k": v}', or =) or key by key (--additional-config.k v, values JSON or text), and
+    reads --additional_config alike."""
+    config: dict = {}
+    rest: list[str] = []
+    args = iter(vllm_args)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        head, dot, keys = name.partition(".")
+        if head.replace("_", "-") != ADDITIONAL_CONFIG:
+            rest.append(arg)
+            continue
+        if not eq:
+            value = next(args, None)
+            if value is None:
+                raise UsageError(f"{name} needs a value")
+        if not dot:
+            try:
+                config.update(_json_object(value))
+            except argparse.ArgumentTypeError as exc:
+                raise UsageError(f"{name}: {exc}") from None
+            continue
+        if keys.endswith("+") or not all(keys.split(".")):
+            raise UsageError(f"{name}: give {ADDITIONAL_CONFIG} as one JSON object, or KEY VALUE pairs")
+        *parents, last = keys.split(".")
+        node = config
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        try:
+            node[last] = json.loads(value)
+        except ValueError:
+            node[last] = value
+    return config, rest
 
 
 def check_head_dim(head_dim: int, presets: list[str]) -> None:
@@ -103,6 +169,20 @@ def check_head_dim(head_dim: int, presets: list[str]) -> None:
             CacheLayout(get_preset(name), head_dim, 1, 16)
         except ValueError as exc:
             raise UsageError(f"--head-dim {head_dim}: {str(exc).split(';')[0]}") from None
+
+
+def require_gpu(command: str) -> None:
+    """An NVIDIA GPU the backend runs on (compute capability >= 8.0), before vLLM starts and fails without one."""
+    import torch
+
+    need = f"{MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10}"
+    if not torch.cuda.is_available():
+        raise UsageError(f"{command} needs an NVIDIA GPU of compute capability >= {need}, and none is visible here "
+                         "(`turboquant-vllm verify --kernels` runs the kernels on a CPU)")
+    major, minor = torch.cuda.get_device_capability()
+    if major * 10 + minor < MIN_COMPUTE_CAPABILITY:
+        raise UsageError(f"{command} needs an NVIDIA GPU of compute capability >= {need}; "
+                         f"{torch.cuda.get_device_name()} has {major}.{minor}")
 
 
 def require_vllm(command: str) -> None:

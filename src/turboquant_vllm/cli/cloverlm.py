@@ -4,7 +4,8 @@ package's vLLM entry point (models.cloverlm.register), so API mode execs `vllm s
 
 The checkpoint's own weights decide the quantization (bf16, or CloverLM's NVFP4 with hf_quant_config.json, which
 vLLM hands to quartet2 by itself); --quantization quartet2 quantizes bf16 weights to NVFP4 on the fly. --kv-preset
-swaps vLLM's bf16 KV cache for TurboQuant's (attention backend CUSTOM + TURBOQUANT_PRESET).
+swaps vLLM's bf16 KV cache for TurboQuant's (attention backend CUSTOM, the preset in vLLM's additional_config, the
+channel vLLM keys its compile cache by).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 
 from .arguments import UsageError, _fraction, _positive, _preset, require_vllm
@@ -53,7 +55,8 @@ def add_parser(sub, preset_names: list[str]) -> None:
                    help="fraction of GPU memory vLLM may take (default: vLLM's, 0.9)")
     c.add_argument("--kv-preset", type=_kv_preset, default=None, metavar="PRESET",
                    help=f"KV cache: none (default: vLLM's bf16 cache) or a TurboQuant preset "
-                   f"({', '.join(preset_names)}), served by attention backend CUSTOM with TURBOQUANT_PRESET set")
+                   f"({', '.join(preset_names)}), served by attention backend CUSTOM with --additional-config "
+                   "turboquant_preset (TURBOQUANT_PRESET, the preset's default, is not read)")
     c.add_argument("--quantization", choices=["quartet2"],
                    help="quartet2: quantize bf16 weights to NVFP4 on the fly (default: as the checkpoint is)")
     c.add_argument("--trust-remote-code", action="store_true",
@@ -152,20 +155,24 @@ def check(args: argparse.Namespace) -> tuple[Path, dict]:
 
 def engine_args(args: argparse.Namespace, model_dir: Path) -> dict:
     """vLLM's engine arguments (LLM's keywords; the flags of `vllm serve` by api_command), None left out."""
+    from ..vllm.settings import PRESET_CONFIG_KEY
+
     out = {"model": str(model_dir), "tensor_parallel_size": args.tp, "dtype": "bfloat16",
            "max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization,
            "quantization": args.quantization, "trust_remote_code": args.trust_remote_code or None}
     if args.kv_preset:
         out["attention_backend"] = "CUSTOM"
+        out["additional_config"] = {PRESET_CONFIG_KEY: args.kv_preset}
     return {k: v for k, v in out.items() if v is not None}
 
 
-def engine_env(args: argparse.Namespace, base: dict | None = None) -> dict:
+def engine_env(args: argparse.Namespace, env: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """env, made the environment of vLLM's processes: --kv-preset goes through additional_config, so a
+    TURBOQUANT_PRESET there would be a second preset (refused by the backend where the two differ)."""
     from ..vllm.settings import PRESET_ENV
 
-    env = dict(os.environ if base is None else base)
     if args.kv_preset:
-        env[PRESET_ENV] = args.kv_preset
+        env.pop(PRESET_ENV, None)
     return env
 
 
@@ -177,7 +184,7 @@ def api_command(args: argparse.Namespace, engine: dict) -> list[str]:
         if key == "model":
             continue
         flag = "--" + key.replace("_", "-")
-        cmd += [flag] if value is True else [flag, str(value)]
+        cmd += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return cmd
 
 
@@ -200,9 +207,9 @@ def cmd_cloverlm(args: argparse.Namespace) -> int:
     if args.api:
         cmd = api_command(args, engine)
         sys.stdout.flush()
-        os.execvpe(cmd[0], cmd, engine_env(args))  # replaces this process: vLLM's server, its exit status ours
+        os.execvpe(cmd[0], cmd, engine_env(args, dict(os.environ)))  # vLLM's server replaces this process
     else:
-        os.environ.update(engine_env(args))  # the preset, for vLLM's engine processes started below
+        engine_env(args, os.environ)  # vLLM's engine processes started below inherit it
         prompts = args.prompt or list(DEFAULT_PROMPTS)
         texts = generate(engine, prompts, args.max_tokens or DEFAULT_MAX_TOKENS)
         for prompt, text in zip(prompts, texts, strict=True):

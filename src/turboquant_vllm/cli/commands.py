@@ -8,14 +8,22 @@ import os
 import sys
 from pathlib import Path
 
-from .arguments import UsageError, check_head_dim, check_model, require_vllm, resolve_preset
-from .environment import environment_report, package_check
+from .arguments import (
+    UsageError,
+    check_head_dim,
+    check_model,
+    chosen_preset,
+    require_gpu,
+    require_vllm,
+    serving_settings,
+    split_additional_config,
+)
+from .environment import environment_report, package_check, settings_report
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..core.presets import DEFAULT_PRESET
-
-    preset = resolve_preset(args.preset) if args.kernels else DEFAULT_PRESET
+    settings_lines, settings = settings_report(args.additional_config)  # a setting vllm serve refuses: exit 2
+    preset = args.preset or settings["preset"]
     check_head_dim(args.head_dim, [preset])
     from ..core.presets import PRESETS
     from ..core.selftest import distortion_table
@@ -38,12 +46,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ok = math_ok and package_ok and kernels_ok
     if args.json:
         print(json.dumps({"head_dim": args.head_dim, "distortion": table, "presets": presets, "package": package,
-                          "environment": env, "math_ok": math_ok, **({"kernels": kernels} if args.kernels else {}),
+                          "environment": env, "settings": settings, "math_ok": math_ok,
+                          **({"kernels": kernels} if args.kernels else {}),
                           "ok": ok}, indent=1))
         return 0 if ok else 1
     for line in package_lines:
         print(line, file=sys.stdout if line.startswith("package:") else sys.stderr)
-    print("\n".join(env_lines))
+    print("\n".join(env_lines + settings_lines))
     print(f"\nTurboQuant-MSE distortion E||x - x_hat||^2 over {args.vectors} random unit vectors, d = {args.head_dim}")
     print(f"{'bits':>4} {'measured':>10} {'optimum':>10} {'ratio':>7} {'gauss lim':>10} {'bound 4^-b':>11}")
     for r in table:
@@ -72,7 +81,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    presets = args.presets or [resolve_preset(None)]
+    presets = args.presets or [chosen_preset(None)]
     check_head_dim(args.head_dim, presets)
     import functools
 
@@ -117,20 +126,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if rows else 1
 
 
+def serve_command(model: str, preset: str | None, vllm_args: list[str], environ: dict[str, str]) -> tuple[
+        list[str], dict[str, str]]:
+    """(`vllm serve` with the CUSTOM backend and the preset in --additional-config, the channel vLLM keys its compile
+    cache by; its environment). The user's --additional-config is merged in; the settings are checked by the
+    backend's resolver, as vLLM's processes will check them."""
+    from ..core.presets import get_preset
+    from ..vllm.settings import PRESET_CONFIG_KEY, PRESET_ENV
+
+    config, vllm_args = split_additional_config(vllm_args)
+    env = dict(environ)
+    if preset:
+        given = config.get(PRESET_CONFIG_KEY)
+        try:
+            agree = given is None or get_preset(str(given)) == get_preset(preset)
+        except ValueError:
+            agree = False
+        if not agree:
+            raise UsageError(f"--preset {preset} and --additional-config {PRESET_CONFIG_KEY}={given!r} disagree; "
+                             "give the preset once")
+        config[PRESET_CONFIG_KEY] = preset
+        env.pop(PRESET_ENV, None)  # --preset wins over the environment
+    settings = serving_settings(config, env)
+    config[PRESET_CONFIG_KEY] = settings.preset.name
+    env.pop(PRESET_ENV, None)  # now in --additional-config
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--attention-backend", "CUSTOM",
+           "--additional-config", json.dumps(config)]
+    return cmd + vllm_args, env
+
+
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
-    preset = resolve_preset(args.preset)
+    cmd, env = serve_command(args.model, args.preset, extra, dict(os.environ))
     check_model(args.model, need_config=False)
     require_vllm("serve")
-    env = dict(os.environ, TURBOQUANT_PRESET=preset)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--attention-backend", "CUSTOM"]
+    require_gpu("serve")
     sys.stdout.flush()
-    os.execvpe(cmd[0], cmd + extra, env)
+    os.execvpe(cmd[0], cmd, env)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..vllm.settings import PRESET_ENV
 
-    preset = resolve_preset(args.preset)
+    preset = chosen_preset(args.preset)
     check_model(args.model, need_config=True)
     for text in args.text:
         if not Path(text).exists():
@@ -139,10 +176,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not out_dir.is_dir():
         raise UsageError(f"--out {args.out}: directory {out_dir} does not exist")
     require_vllm("calibrate")
-    os.environ[PRESET_ENV] = preset
+    require_gpu("calibrate")
+    os.environ.pop(PRESET_ENV, None)  # the preset goes to vLLM through additional_config
     from ..vllm.calibrate import calibrate
 
-    calibrate(args.model, args.text, args.out, max_tokens=args.tokens, window=args.window,
+    calibrate(args.model, args.text, args.out, preset=preset, max_tokens=args.tokens, window=args.window,
               gpu_memory_utilization=args.gpu_memory_utilization)
     print(f"serve with: TURBOQUANT_KEY_CALIBRATION={args.out} turboquant-vllm serve {args.model} --preset {preset}")
     return 0

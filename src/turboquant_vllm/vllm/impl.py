@@ -4,7 +4,9 @@
   launch rotates their queries into the cache's basis (vLLM calls no separate do_kv_cache_update).
 - Attention: decodes run the decode kernel, the rest the general kernel or, for long prefills, FlashAttention over
   the context expanded into the model's basis (dense_prefill_attention); all read the same pages.
-- Per-layer presets: the impl starts with the process's preset; once the model is built (weights loaded) each layer
+- Settings: each impl carries the engine's TurboQuantSettings (settings.engine_settings, resolved once per engine
+  from --additional-config and the environment).
+- Per-layer presets: the impl starts with the settings' preset; once the model is built (weights loaded) each layer
   gets its own (kv_spec.bind_layer_presets): a TurboQuant preset (bind_preset), or bf16, whose layer vLLM's
   FlashAttention then serves (served_by).
 - Warm-up: once the weights are loaded, the kernels of this layer's shapes and preset are compiled (ops.warmup), so
@@ -30,20 +32,19 @@ from ..ops.utils import check_cache
 from . import compat
 from .compat import AttentionImpl, AttentionType
 from .kv_spec import bind_layer_presets, install_kv_cache_spec_hook
-from .metadata import TQ4Metadata, decode_query_len, reserve_workspace
+from .metadata import TurboQuantMetadata, decode_query_len, reserve_workspace
 from .settings import (
+    CALIBRATION_CONFIG_KEY,
     CALIBRATION_ENV,
     COLLECT_ENV,
     describe_preset,
+    engine_settings,
     first_time,
     key_statistics,
     layer_calibration,
     logger,
     num_model_layers,
-    process_preset,
     read_calibration,
-    resolve_calibration_path,
-    resolve_layer_presets,
 )
 
 KERNEL_BLOCK_MULTIPLE = 16  # vLLM block sizes we accept: multiples of 16 (CacheLayout needs 4)
@@ -78,7 +79,7 @@ def dense_prefill_attention(
           out=out, fa_version=version)
 
 
-class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
+class TurboQuantAttentionImpl(AttentionImpl[TurboQuantMetadata]):
     def __init__(
         self,
         num_heads: int,
@@ -116,8 +117,9 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
         vllm_config = compat.current_vllm_config()
-        self.preset = process_preset(vllm_config)  # until bind_preset gives the layer its own
-        layer_presets = resolve_layer_presets(vllm_config)
+        self.settings = engine_settings(vllm_config)
+        self.preset = self.settings.preset  # until bind_preset gives the layer its own
+        layer_presets = self.settings.layer_presets
         cache_config = getattr(vllm_config, "cache_config", None)
         block_size = getattr(cache_config, "block_size", None) or KERNEL_BLOCK_MULTIPLE
         # Names the constraint if the head size or block size cannot be served.
@@ -129,16 +131,16 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         install_kv_cache_spec_hook()
         # Reserved here, during model construction, so vLLM's memory profile counts the scratch
         # before it sizes the KV cache, for any preset this layer may get; every later layer finds it big enough.
-        for preset in {self.preset, *(layer_presets.turboquant_presets() if layer_presets else ())}:
+        for preset in self.settings.turboquant_presets():
             reserve_workspace(vllm_config, num_heads, cache_layout(preset, head_size, self.num_kv_heads, block_size))
         self.vllm_config = vllm_config
         self.collect_statistics = os.environ.get(COLLECT_ENV) == "1"
-        self.calibration_path = resolve_calibration_path(vllm_config)
+        self.calibration_path = self.settings.calibration_path
         if self.calibration_path:
             if self.softcap:
                 raise ValueError(
                     f"a key calibration is exact only without a logit soft-cap, and this model caps logits at "
-                    f"{self.softcap}; unset {CALIBRATION_ENV} (and --additional-config turboquant_key_calibration)"
+                    f"{self.softcap}; unset {CALIBRATION_ENV} (and --additional-config {CALIBRATION_CONFIG_KEY})"
                 )
             read_calibration(self.calibration_path)  # a missing or foreign file fails now, at startup
         self.layer_name: str | None = None
@@ -203,7 +205,7 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         return self._bound[1]
 
     def _store(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-               kv_cache: torch.Tensor, layout: CacheLayout, md: TQ4Metadata) -> RotatedQuery | None:
+               kv_cache: torch.Tensor, layout: CacheLayout, md: TurboQuantMetadata) -> RotatedQuery | None:
         """Quantize the step's keys/values into their slots; the same launch rotates the queries paged_attention
         takes (store_rotated_queries) and returns them (None without any): no rotate_queries launch of its own, as
         eager steps are bound by issuing launches (benchmarks/layer_step)."""
@@ -226,7 +228,7 @@ class TQ4AttentionImpl(AttentionImpl[TQ4Metadata]):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        attn_metadata: TQ4Metadata,
+        attn_metadata: TurboQuantMetadata,
         output: torch.Tensor | None = None,
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,

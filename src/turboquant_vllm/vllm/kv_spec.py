@@ -37,15 +37,7 @@ from ..core.layout import CacheLayout, cache_layout
 from ..core.presets import Preset, get_preset
 from . import compat
 from .compat import FullAttentionSpec, SlidingWindowSpec
-from .settings import (
-    BF16,
-    LAYER_PRESETS_ENV,
-    LayerPresets,
-    describe_layer_presets,
-    logger,
-    process_preset,
-    resolve_layer_presets,
-)
+from .settings import BF16, LAYER_PRESETS_ENV, LayerPresets, describe_layer_presets, logger
 
 
 class _TurboQuantPage:
@@ -226,7 +218,8 @@ def check_builder_spec(spec: Any, layer_names: list[str]) -> None:
 # Per-layer presets: a layer's preset is known once the model is built.
 # ---------------------------------------------------------------------------------------------
 def bind_layer_presets(vllm_config: Any) -> None:
-    """Give each TurboQuant attention layer not bound yet its preset (TURBOQUANT_LAYER_PRESETS, else the preset).
+    """Give each TurboQuant attention layer not bound yet its preset: its entry in the settings' layer presets, else
+    the settings' preset (the settings its impl carries: settings.TurboQuantSettings, one per engine).
 
     vLLM builds an impl without its layer's name, hence its index; the impl's process_weights_after_loading (the
     model is built, the KV cache not yet sized) calls this for all layers at once, and logs the per-layer line.
@@ -243,8 +236,8 @@ def bind_layer_presets(vllm_config: Any) -> None:
     }
     if not layers:
         return
-    default = process_preset(vllm_config)
-    layer_presets = resolve_layer_presets(vllm_config)
+    settings = next(iter(layers.values())).impl.settings  # the engine's settings, which every impl carries
+    default, layer_presets = settings.preset, settings.layer_presets
     chosen = (dict.fromkeys(layers, default.name) if layer_presets is None
               else _layer_preset_names(vllm_config, layer_presets, default, layers))
     for name, layer in layers.items():

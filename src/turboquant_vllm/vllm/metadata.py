@@ -87,7 +87,7 @@ def reserve_workspace(vllm_config: Any, num_q_heads: int, layout: CacheLayout) -
 
 
 @dataclass
-class TQ4Metadata(AttentionMetadata):
+class TurboQuantMetadata(AttentionMetadata):
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
@@ -121,7 +121,7 @@ class TQ4Metadata(AttentionMetadata):
     prefill_max_seq_len: int = 0
 
 
-class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
+class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
     # Uniform batches (all decodes, or all speculative verifications of one length) may be
     # captured whole; mixed batches run attention eagerly between piecewise graphs.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
@@ -151,7 +151,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
         common_prefix_len: int,
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
-    ) -> TQ4Metadata:
+    ) -> TurboQuantMetadata:
         cam = common_attn_metadata
         num_reqs = cam.num_reqs
         qsl, seq_lens, block_table = cam.query_start_loc, cam.seq_lens, cam.block_table_tensor
@@ -202,7 +202,7 @@ class TQ4MetadataBuilder(AttentionMetadataBuilder[TQ4Metadata]):
                                    self.layout.head_dim)
             (workspace,) = manager.get_simultaneous(((max(need, 1),), torch.float32))
 
-        return TQ4Metadata(
+        return TurboQuantMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             max_query_len=cam.max_query_len,
             max_seq_len=cam.max_seq_len,

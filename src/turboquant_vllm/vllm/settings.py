@@ -1,6 +1,6 @@
-"""What a TurboQuant process serves with: the preset, per-layer presets and the key calibration, from
---additional-config or the environment; the startup log lines. Imports no vLLM module (``register()`` runs it in every
-vLLM process).
+"""What a TurboQuant engine serves with: the preset, per-layer presets and the key calibration, from
+--additional-config or the environment, resolved once per engine into one TurboQuantSettings; the startup log lines.
+Imports no vLLM module (``register()`` runs it in every vLLM process).
 
     TURBOQUANT_PRESET=tq3                     or  --additional-config '{"turboquant_preset": "tq3"}'
     TURBOQUANT_LAYER_PRESETS='0,1,-2,-1=bf16;5-7=k4v3'
@@ -8,7 +8,8 @@ vLLM process).
                                                                        {"0,1,-2,-1": "bf16", "5-7": "k4v3"}}'
     TURBOQUANT_KEY_CALIBRATION=keys.safetensors  or  --additional-config '{"turboquant_key_calibration": "..."}'
 
-Giving a setting both ways with different values is an error.
+Giving a setting both ways with the same value is fine; with different values it is an error. --additional-config is
+the channel vLLM keys its compile cache by; `turboquant-vllm serve --preset` passes the preset there.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import functools
 import logging
 import os
 import re
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,53 +40,8 @@ COLLECT_ENV = "TURBOQUANT_COLLECT_KEY_STATISTICS"
 # A child of vLLM's "vllm" logger, so our lines come out through vLLM's handler and format.
 logger = logging.getLogger("vllm.turboquant_vllm")
 
-_process_preset: Preset | None = None
 _logged: set[tuple] = set()  # what was logged or warmed up once per process
 key_statistics: dict[str, KeyStatistics] = {}  # layer name -> sums, while COLLECT_ENV is set
-
-
-def _setting(vllm_config: Any | None, config_key: str, env: str) -> tuple[str | None, str | None]:
-    extra = getattr(vllm_config, "additional_config", None)
-    config_value = None
-    if isinstance(extra, dict) and extra.get(config_key) is not None:
-        config_value = str(extra[config_key]).strip() or None
-    return config_value, os.environ.get(env, "").strip() or None
-
-
-def resolve_preset(vllm_config: Any | None = None) -> Preset:
-    """The preset asked for: ``--additional-config`` key, else ``TURBOQUANT_PRESET``, else tq4."""
-    config_value, env_value = _setting(vllm_config, PRESET_CONFIG_KEY, PRESET_ENV)
-    try:
-        if config_value and env_value and get_preset(config_value) != get_preset(env_value):
-            raise ValueError(
-                f"TurboQuant preset given twice: --additional-config {PRESET_CONFIG_KEY}={config_value!r} and "
-                f"{PRESET_ENV}={env_value!r}; keep one of them"
-            )
-        return get_preset(config_value or env_value or DEFAULT_PRESET)
-    except ValueError as exc:
-        source = f"--additional-config {PRESET_CONFIG_KEY}" if config_value else PRESET_ENV
-        raise ValueError(f"{source}: {exc}") from None
-
-
-def process_preset(vllm_config: Any | None = None) -> Preset:
-    """The preset of this process: resolved from the first config seen, then fixed, so that the KV-cache spec
-    (engine side) and get_kv_cache_shape (worker side, which gets no config) agree."""
-    global _process_preset
-    if vllm_config is None:
-        if _process_preset is not None:
-            return _process_preset
-        from .compat import current_vllm_config
-
-        vllm_config = current_vllm_config()
-    preset = resolve_preset(vllm_config)
-    if _process_preset is None:
-        _process_preset = preset
-    elif preset != _process_preset:
-        raise ValueError(
-            f"TurboQuant preset changed within one process ({_process_preset.name} -> {preset.name}); "
-            "set it once, through TURBOQUANT_PRESET or --additional-config"
-        )
-    return preset
 
 
 _LAYER_ITEM = re.compile(r"(-?\d+)(?:-(-?\d+))?")  # 5, -1, 5-7, 28--1: an index or an inclusive range
@@ -175,38 +133,130 @@ def parse_layer_presets(value: Any, source: str) -> LayerPresets | None:
     return LayerPresets(source, tuple(entries)) if entries else None
 
 
-def resolve_layer_presets(vllm_config: Any | None = None) -> LayerPresets | None:
-    """Per-layer presets: ``--additional-config`` key, else ``TURBOQUANT_LAYER_PRESETS``, else none."""
-    extra = getattr(vllm_config, "additional_config", None)
-    config_value = extra.get(LAYER_PRESETS_CONFIG_KEY) if isinstance(extra, dict) else None
-    config_source = f"--additional-config {LAYER_PRESETS_CONFIG_KEY}"
-    from_config = parse_layer_presets(config_value, config_source) if config_value else None
-    from_env = parse_layer_presets(os.environ.get(LAYER_PRESETS_ENV, ""), LAYER_PRESETS_ENV)
-    if from_config and from_env and (
-        {entry[1:] for entry in from_config.entries} != {entry[1:] for entry in from_env.entries}
-    ):
-        raise ValueError(
-            f"TurboQuant layer presets given twice: --additional-config {LAYER_PRESETS_CONFIG_KEY}={config_value!r} "
-            f"and {LAYER_PRESETS_ENV}={os.environ[LAYER_PRESETS_ENV]!r}; keep one of them"
-        )
-    return from_config or from_env
-
-
 def num_model_layers(vllm_config: Any | None) -> int | None:
     """The model's number of layers (all pipeline stages: layer names count from 0 across them); None without one."""
     model_config = getattr(vllm_config, "model_config", None)
     return None if model_config is None else model_config.get_total_num_hidden_layers()
 
 
-def resolve_calibration_path(vllm_config: Any | None = None) -> str | None:
-    """The key calibration file: ``--additional-config`` key, else ``TURBOQUANT_KEY_CALIBRATION``, else none."""
-    config_value, env_value = _setting(vllm_config, CALIBRATION_CONFIG_KEY, CALIBRATION_ENV)
+# ---------------------------------------------------------------------------------------------
+# The settings of one engine
+# ---------------------------------------------------------------------------------------------
+DEFAULT_SOURCE = "default"
+
+
+@dataclass(frozen=True)
+class TurboQuantSettings:
+    """What one engine serves with, each with where it was given (for messages)."""
+
+    preset: Preset  # every TurboQuant layer's, unless layer_presets gives it another
+    preset_source: str  # "--additional-config turboquant_preset", "TURBOQUANT_PRESET" or "default"
+    layer_presets: LayerPresets | None = None
+    calibration_path: str | None = None
+    calibration_source: str | None = None
+
+    def turboquant_presets(self) -> set[Preset]:
+        """Every TurboQuant preset a layer may take (what the workspace and the warm-up must cover)."""
+        return {self.preset, *(self.layer_presets.turboquant_presets() if self.layer_presets else ())}
+
+    def describe(self) -> str:
+        """One line: what `vllm serve` does with these settings."""
+        where = "the default" if self.preset_source == DEFAULT_SOURCE else f"from {self.preset_source}"
+        parts = [f"preset: {self.preset.name} ({where})"]
+        if self.layer_presets is not None:
+            entries = " ".join(f"{text}={name}" for text, _, name in self.layer_presets.entries)
+            parts.append(f"layer presets: {entries} (from {self.layer_presets.source}; the other layers "
+                         f"{self.preset.name})")
+        parts.append("key calibration: " + (f"{self.calibration_path} (from {self.calibration_source})"
+                                            if self.calibration_path else "none"))
+        return "; ".join(parts)
+
+
+def _config_value(extra: Any, config_key: str) -> Any:
+    return extra.get(config_key) if isinstance(extra, Mapping) else None
+
+
+def _config_text(extra: Any, config_key: str) -> str | None:
+    value = _config_value(extra, config_key)
+    return None if value is None else str(value).strip() or None
+
+
+def _env_value(environ: Mapping[str, str], env: str) -> str | None:
+    return environ.get(env, "").strip() or None
+
+
+def _resolve_preset(extra: Any, environ: Mapping[str, str]) -> tuple[Preset, str]:
+    config_value = _config_text(extra, PRESET_CONFIG_KEY)
+    env_value = _env_value(environ, PRESET_ENV)
+    source = f"--additional-config {PRESET_CONFIG_KEY}" if config_value else PRESET_ENV if env_value else DEFAULT_SOURCE
+    try:
+        if config_value and env_value and get_preset(config_value) != get_preset(env_value):
+            raise ValueError(
+                f"TurboQuant preset given twice: --additional-config {PRESET_CONFIG_KEY}={config_value!r} and "
+                f"{PRESET_ENV}={env_value!r}; keep one of them"
+            )
+        return get_preset(config_value or env_value or DEFAULT_PRESET), source
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def _resolve_layer_presets(extra: Any, environ: Mapping[str, str]) -> LayerPresets | None:
+    config_value = _config_value(extra, LAYER_PRESETS_CONFIG_KEY)
+    from_config = (parse_layer_presets(config_value, f"--additional-config {LAYER_PRESETS_CONFIG_KEY}")
+                   if config_value else None)
+    env_value = environ.get(LAYER_PRESETS_ENV, "")
+    from_env = parse_layer_presets(env_value, LAYER_PRESETS_ENV)
+    if from_config and from_env and (
+        {entry[1:] for entry in from_config.entries} != {entry[1:] for entry in from_env.entries}
+    ):
+        raise ValueError(
+            f"TurboQuant layer presets given twice: --additional-config {LAYER_PRESETS_CONFIG_KEY}={config_value!r} "
+            f"and {LAYER_PRESETS_ENV}={env_value!r}; keep one of them"
+        )
+    return from_config or from_env
+
+
+def _resolve_calibration(extra: Any, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    config_value = _config_text(extra, CALIBRATION_CONFIG_KEY)
+    env_value = _env_value(environ, CALIBRATION_ENV)
     if config_value and env_value and os.path.abspath(config_value) != os.path.abspath(env_value):
         raise ValueError(
             f"TurboQuant key calibration given twice: --additional-config {CALIBRATION_CONFIG_KEY}={config_value!r} "
             f"and {CALIBRATION_ENV}={env_value!r}; keep one of them"
         )
-    return config_value or env_value
+    if config_value:
+        return config_value, f"--additional-config {CALIBRATION_CONFIG_KEY}"
+    return env_value, CALIBRATION_ENV if env_value else None
+
+
+def resolve_settings(additional_config: Any = None, environ: Mapping[str, str] | None = None) -> TurboQuantSettings:
+    """The one resolver: the settings vLLM's --additional-config (a dict; None: none) and the environment give, each
+    validated; a ValueError naming the setting, the constraint and the way out otherwise. Model-dependent checks
+    (layer indices, head sizes) wait for the model: LayerPresets.check."""
+    environ = os.environ if environ is None else environ
+    preset, preset_source = _resolve_preset(additional_config, environ)
+    layer_presets = _resolve_layer_presets(additional_config, environ)
+    calibration_path, calibration_source = _resolve_calibration(additional_config, environ)
+    return TurboQuantSettings(preset, preset_source, layer_presets, calibration_path, calibration_source)
+
+
+# One TurboQuantSettings per engine: vLLM asks for them once per layer (the backend selector, every impl, the spec
+# hook), always with the engine's VllmConfig. A VllmConfig is unhashable, so the cache is keyed by its identity and
+# the entry dropped when the config is collected; nothing here outlives the engine's config.
+_engine_settings: dict[int, TurboQuantSettings] = {}
+
+
+def engine_settings(vllm_config: Any | None) -> TurboQuantSettings:
+    """The settings of the engine vllm_config configures, resolved on first use (None: the environment alone)."""
+    if vllm_config is None:
+        return resolve_settings(None)
+    key = id(vllm_config)
+    settings = _engine_settings.get(key)
+    if settings is None:
+        settings = resolve_settings(getattr(vllm_config, "additional_config", None))
+        weakref.finalize(vllm_config, _engine_settings.pop, key, None)
+        _engine_settings[key] = settings
+    return settings
 
 
 read_calibration = functools.lru_cache(maxsize=None)(load_calibration)  # once per process, shared by all layers
