@@ -23,7 +23,7 @@ __all__ = [
 
 
 def triton_kernels() -> dict:
-    """The Triton JIT functions by name, for offline compilation and inspection (python -m benchmarks kernel_sass)."""
+    """The Triton JIT functions by name, for offline compilation and inspection (the kernel_sass study, benchmarks/kernel_sass.py at commit 98a39d8)."""
     from .attention.decode import _decode_kernel
     from .attention.general import _attention_kernel
     from .store.store import _store_kv_kernel

@@ -79,7 +79,7 @@ _REGROUP = {
 # A zero ptxas cannot prove zero (the lanes below this one and those above it are disjoint sets). A table word or-ed
 # with it is a loop-invariant register; a plain constant table lives in a uniform register, and ptxas copies it into a
 # register before every byte permute that reads it (94 copies per decode tile, 9.5% of the loop:
-# benchmarks/results/kernel_sass/sm90-attention-loops.log).
+# benchmarks/results/kernel_sass/sm90-attention-loops.log at commit 98a39d8).
 def _opaque_zero(z: str, tmp: str) -> str:
     return f"mov.u32 {z}, %lanemask_lt; mov.u32 {tmp}, %lanemask_gt; and.b32 {z}, {z}, {tmp};"
 

@@ -1,7 +1,7 @@
 """The decode launch policy, decided here only: which kernel, warps, pipeline stages, registers and split count.
 
-Measured on the H200 (benchmarks/results/kernel_variants/h200-decode-tables-stages-launch.log); the vLLM backend
-and the benchmarks ask this module, never a copy of their own.
+Measured on the H200 (benchmarks/results/kernel_variants/h200-decode-tables-stages-launch.log at commit 98a39d8); the
+vLLM backend and the benchmarks ask this module, never a copy of their own.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..utils import next_pow2
 NUM_SMS_FALLBACK = 132  # an H100 / H200, where no device can be asked (CPU runs)
 # Splits of one sequence's context: up to 32, each of at least 256 tokens (8 tiles of 32), so a short context leaves
 # the splits past it empty (partials of zero weight). H100
-# (benchmarks/results/kernel_variants/h100-tq4-split-floor-d{128,256}.md): the floor takes 11% off d 256, 16 x 2k
+# (benchmarks/results/kernel_variants/ at commit 98a39d8): the floor takes 11% off d 256, 16 x 2k
 # (0.1691 -> 0.1500 ms) and is neutral where splits hold >= 256 tokens anyway. One sequence takes up to 64 splits:
 # H100 (h100-tq4-one-sequence-policy.md) 1 x 128k 0.1274 -> 0.0844 ms at d 128, 0.0824 -> 0.0508 at d 64, 0.3401 ->
 # 0.2396 at d 256, 1 x 32k 1.2x; it costs 1 x 8k at d 128 0.0257 -> 0.0294. At two sequences 64 lost (H200
