@@ -18,14 +18,6 @@ from .warmup import warm_up
 
 __all__ = [
     "RotatedQuery", "attention_workspace_shape", "decode_launch", "decode_num_splits", "dequantize_pages",
-    "merge_and_unrotate", "paged_attention", "rotate_queries", "store_kv", "triton_kernels", "warm_up",
+    "merge_and_unrotate", "paged_attention", "rotate_queries", "store_kv", "warm_up",
 ]
 
-
-def triton_kernels() -> dict:
-    """The Triton JIT functions by name, for offline compilation and inspection (the kernel_sass study, benchmarks/kernel_sass.py at commit 98a39d8)."""
-    from .attention.decode import _decode_kernel
-    from .attention.general import _attention_kernel
-    from .store.store import _store_kv_kernel
-
-    return {"decode": _decode_kernel, "general": _attention_kernel, "store": _store_kv_kernel}
