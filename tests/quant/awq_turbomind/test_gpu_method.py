@@ -13,7 +13,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 GROUP = 128
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (5120, 27648)]  # (K, N): in_features, out_features
 TOKENS = [1, 7, 64, 1024]
-AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def loaded_layer(k: int, n: int, gen: torch.Generator):
     """(method, layer, AWQ tensors): random weights quantized round-to-nearest, copied into the parameters vLLM's
     loaders fill, then process_weights_after_loading (the repack into TurboMind's layout)."""
     w = awq_format.quantize(torch.randn(k, n, generator=gen, device="cuda") * 0.02, GROUP)
-    quant = method.AWQTurboMindLinearMethod(method.AWQTurboMindConfig.from_config(AWQ_CONFIG))
+    quant = method.AWQTurboMindLinearMethod(GROUP)
     layer = torch.nn.Module()
     with torch.device("cuda"):
         quant.create_weights(layer, k, [n], k, n, torch.float16, weight_loader=None)

@@ -1,8 +1,9 @@
-"""The vLLM method `awq_turbomind` (quant.awq_turbomind.method) on the CPU, with a fake `turbomind` module: turbomind
-0.0.2's Linear (constructor, buffers, post_init, forward) in plain PyTorch, its post_init repacking AWQ's tensors into
-TurboMind's layout as the wheel's does and its forward computing from that layout. Checked: the config's parsing and
-refusals, which checkpoints it claims, the missing-wheel error, and vLLM's fused / parallel layers loaded by vLLM's
-loaders and applied through the custom op, against an fp32 dequantize-then-matmul of the checkpoint's tensors."""
+"""The vLLM method `awq_turbomind` (quant.awq_turbomind: config, support, method) on the CPU, with a fake `turbomind`
+module: turbomind 0.0.2's Linear (constructor, buffers, post_init, forward) in plain PyTorch, its post_init repacking
+AWQ's tensors into TurboMind's layout as the wheel's does and its forward computing from that layout. Checked: the
+config's parsing and refusals, which checkpoints it claims, the missing-wheel error and the CUDA 12 runtime's preload,
+and vLLM's fused / parallel layers loaded by vLLM's loaders and applied through the custom op, against an fp32
+dequantize-then-matmul of the checkpoint's tensors."""
 
 import sys
 import types
@@ -10,7 +11,8 @@ import types
 import pytest
 import torch
 
-from turboquant_vllm.quant.awq_turbomind import awq_format, method
+from turboquant_vllm.quant.awq_turbomind import awq_format, method, support
+from turboquant_vllm.quant.awq_turbomind.config import AWQTurboMindConfig
 
 GROUP = 128
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm",
@@ -90,18 +92,17 @@ def no_turbomind(monkeypatch):
     monkeypatch.setitem(sys.modules, "turbomind", None)  # `import turbomind` raises ImportError
 
 
-
 def test_the_config_reads_autoawq_configs(fake_turbomind):
-    config = method.AWQTurboMindConfig.from_config(dict(AWQ_CONFIG, modules_to_not_convert=["visual"]))
+    config = AWQTurboMindConfig.from_config(dict(AWQ_CONFIG, modules_to_not_convert=["visual"]))
     assert (config.get_name(), config.weight_bits, config.group_size, config.zero_point) == ("awq_turbomind", 4,
                                                                                              128, True)
     assert config.modules_to_not_convert == ["visual"]
     # AutoAWQ's quant_config.json: other key names, version in capitals, no quant_method
-    old = method.AWQTurboMindConfig.from_config({"zero_point": True, "q_group_size": 128, "w_bit": 4,
+    old = AWQTurboMindConfig.from_config({"zero_point": True, "q_group_size": 128, "w_bit": 4,
                                                  "version": "GEMM"})
     assert (old.weight_bits, old.group_size, old.modules_to_not_convert) == (4, 128, [])
-    assert method.AWQTurboMindConfig.get_min_capability() == 70
-    assert method.AWQTurboMindConfig.get_config_filenames() == ["quant_config.json", "quantize_config.json"]
+    assert AWQTurboMindConfig.get_min_capability() == 70
+    assert AWQTurboMindConfig.get_config_filenames() == ["quant_config.json", "quantize_config.json"]
     assert config.get_supported_act_dtypes() == [torch.float16, torch.bfloat16]
 
 
@@ -116,7 +117,7 @@ def test_the_config_reads_autoawq_configs(fake_turbomind):
 ])
 def test_what_turbomind_cannot_run_is_refused_with_the_way_out(fake_turbomind, change, message):
     with pytest.raises(ValueError, match=message) as info:
-        method.AWQTurboMindConfig.from_config(dict(AWQ_CONFIG, **change))
+        AWQTurboMindConfig.from_config(dict(AWQ_CONFIG, **change))
     assert "without -q awq_turbomind" in str(info.value)
 
 
@@ -126,26 +127,60 @@ def test_a_gpu_below_sm70_and_rocm_are_refused(fake_turbomind, monkeypatch):
     platform = types.SimpleNamespace(is_rocm=lambda: False, get_device_capability=lambda: DeviceCapability(6, 1))
     monkeypatch.setattr(method, "current_platform", platform)
     with pytest.raises(ValueError, match="compute capability 7.0 .* this GPU is 6.1"):
-        method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+        AWQTurboMindConfig.from_config(AWQ_CONFIG)
     platform.get_device_capability = lambda: DeviceCapability(7, 0)
-    method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+    AWQTurboMindConfig.from_config(AWQ_CONFIG)
     platform.is_rocm = lambda: True
     with pytest.raises(ValueError, match="CUDA kernels .* this is ROCm"):
-        method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+        AWQTurboMindConfig.from_config(AWQ_CONFIG)
 
 
 def test_a_missing_turbomind_names_the_install_line(no_turbomind):
-    with pytest.raises(ImportError, match=r'pip install "turboquant-vllm\[turbomind\]"'):
-        method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+    with pytest.raises(ImportError, match=r'Install them with pip install "\.\[turbomind\]" \(run from the '
+                                          r'turboquant-vllm source tree\)'):
+        AWQTurboMindConfig.from_config(AWQ_CONFIG)
 
 
-def test_the_cuda12_runtime_preload_is_harmless_without_it(monkeypatch, tmp_path):
-    method.preload_cuda12_runtime()  # no CUDA runtime here: nothing to load, nothing raised
+def test_the_cuda12_runtime_is_preloaded_from_the_wheel_only_where_missing(monkeypatch, tmp_path):
+    """libcudart.so.12 already in the process: nothing else is looked up. Missing: the nvidia-cuda-runtime-cu12
+    wheel's copy is loaded globally (turbomind's extension then links it); a broken copy is left for the import to
+    report; no wheel: nothing is loaded."""
+    import ctypes
+    import os
+
+    loads = []
+    loaded = {"libcudart.so.12": False}
+
+    def cdll(name, mode=0):
+        loads.append((name, mode))
+        if mode & os.RTLD_NOLOAD and not loaded[name]:
+            raise OSError(f"{name}: not loaded")
+        if name != "libcudart.so.12":
+            raise OSError(f"{name}: invalid ELF header")
+        return object()
+
+    looked_up = []
     (tmp_path / "lib").mkdir()
-    (tmp_path / "lib" / "libcudart.so.12").write_bytes(b"not a library")
+    wheel_copy = tmp_path / "lib" / "libcudart.so.12"
+    wheel_copy.write_bytes(b"not a library")
     spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
-    monkeypatch.setattr(method.importlib.util, "find_spec", lambda name: spec)
-    method.preload_cuda12_runtime()  # a broken copy: left for the import to report
+    monkeypatch.setattr(method.ctypes, "CDLL", cdll)
+    monkeypatch.setattr(method.importlib.util, "find_spec", lambda name: looked_up.append(name) or spec)
+
+    loaded["libcudart.so.12"] = True
+    method.preload_cuda12_runtime()
+    assert loads == [("libcudart.so.12", os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)] and looked_up == []
+
+    loads.clear()
+    loaded["libcudart.so.12"] = False
+    method.preload_cuda12_runtime()  # the copy fails to load: no exception here
+    assert looked_up == ["nvidia", "nvidia.cuda_runtime"]
+    assert loads[1:] == [(str(wheel_copy), ctypes.RTLD_GLOBAL)]
+
+    loads.clear()
+    monkeypatch.setattr(method.importlib.util, "find_spec", lambda name: None)  # no nvidia wheels installed
+    method.preload_cuda12_runtime()
+    assert [name for name, _ in loads] == ["libcudart.so.12"]
 
 
 def test_a_turbomind_whose_extension_did_not_load_is_refused(fake_turbomind, monkeypatch):
@@ -153,7 +188,7 @@ def test_a_turbomind_whose_extension_did_not_load_is_refused(fake_turbomind, mon
     monkeypatch.setitem(sys.modules, "turbomind.linear",
                         types.SimpleNamespace(TURBOMIND_EXTENSION_INSTALLED=False))
     with pytest.raises(ImportError, match=r"_turbomind_ext.*did not load.*libcudart\.so\.12"):
-        method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+        AWQTurboMindConfig.from_config(AWQ_CONFIG)
 
 
 def test_register_needs_no_turbomind_and_is_idempotent(no_turbomind):
@@ -164,13 +199,13 @@ def test_register_needs_no_turbomind_and_is_idempotent(no_turbomind):
     awq_turbomind.register()
     awq_turbomind.register()
     assert QUANTIZATION_METHODS.count("awq_turbomind") == 1
-    assert get_quantization_config("awq_turbomind") is method.AWQTurboMindConfig
+    assert get_quantization_config("awq_turbomind") is AWQTurboMindConfig
     assert sys.modules["turbomind"] is None  # nothing tried to import it
 
 
 def test_awq_checkpoints_are_claimed_only_when_asked(monkeypatch):
-    claim = method.AWQTurboMindConfig.override_quantization_method
-    monkeypatch.delenv(method.OPT_IN_ENV, raising=False)
+    claim = AWQTurboMindConfig.override_quantization_method
+    monkeypatch.delenv(support.OPT_IN_ENV, raising=False)
     assert claim(AWQ_CONFIG, None) is None  # vLLM's own AWQ keeps serving AWQ models
     assert claim(AWQ_CONFIG, "awq") is None
     assert claim(AWQ_CONFIG, "awq_turbomind", hf_config=None) == "awq_turbomind"
@@ -182,7 +217,7 @@ def test_awq_checkpoints_are_claimed_only_when_asked(monkeypatch):
         assert claim(other, "awq_turbomind") is None
         assert claim(other, None) is None
 
-    monkeypatch.setenv(method.OPT_IN_ENV, "1")
+    monkeypatch.setenv(support.OPT_IN_ENV, "1")
     assert claim(AWQ_CONFIG, None) == "awq_turbomind"
     assert claim(AWQ_CONFIG, "awq") is None  # the user's explicit choice wins over the opt-in
     assert claim(AWQ_CONFIG, "awq_marlin") is None
@@ -190,7 +225,7 @@ def test_awq_checkpoints_are_claimed_only_when_asked(monkeypatch):
     assert claim(dict(AWQ_CONFIG, bits=8), None) is None
     assert claim(dict(AWQ_CONFIG, version="gemv"), None) is None
     assert claim({"quant_method": "gptq", "bits": 4, "group_size": 128}, None) is None
-    monkeypatch.setenv(method.OPT_IN_ENV, "0")
+    monkeypatch.setenv(support.OPT_IN_ENV, "0")
     assert claim(AWQ_CONFIG, None) is None
 
 
@@ -201,7 +236,7 @@ def test_vllm_resolves_the_method_through_the_override(monkeypatch):
     from turboquant_vllm.quant import awq_turbomind
 
     awq_turbomind.register()
-    monkeypatch.delenv(method.OPT_IN_ENV, raising=False)
+    monkeypatch.delenv(support.OPT_IN_ENV, raising=False)
 
     def resolve(user_quant):
         cfg = object.__new__(ModelConfig)
@@ -214,14 +249,14 @@ def test_vllm_resolves_the_method_through_the_override(monkeypatch):
 
     assert resolve("awq_turbomind") == "awq_turbomind"
     assert resolve(None) != "awq_turbomind"
-    monkeypatch.setenv(method.OPT_IN_ENV, "1")
+    monkeypatch.setenv(support.OPT_IN_ENV, "1")
     assert resolve(None) == "awq_turbomind"
 
 
 def test_modules_to_not_convert_stay_16_bit(fake_turbomind, one_rank):
     from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
 
-    config = method.AWQTurboMindConfig.from_config(dict(AWQ_CONFIG, modules_to_not_convert=["visual", "mlp.gate"]))
+    config = AWQTurboMindConfig.from_config(dict(AWQ_CONFIG, modules_to_not_convert=["visual", "mlp.gate"]))
     linear = object.__new__(ReplicatedLinear)
     assert isinstance(config.get_quant_method(linear, "visual.blocks.0.attn.qkv"), UnquantizedLinearMethod)
     assert isinstance(config.get_quant_method(linear, "model.layers.3.mlp.gate"), UnquantizedLinearMethod)
@@ -242,7 +277,7 @@ def test_unlisted_16_bit_modules_are_found_and_moe_is_refused(fake_turbomind, mo
                 "model.layers.0.self_attn.q_proj.scales": {"dtype": "F16"},
                 "model.layers.0.mlp.gate.weight": {"dtype": "BF16"}}
     monkeypatch.setattr(hf_utils, "get_safetensors_params_metadata", lambda model, revision=None: metadata)
-    config = method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+    config = AWQTurboMindConfig.from_config(AWQ_CONFIG)
     config.maybe_update_config("some/model")
     assert config.modules_to_not_convert == ["model.layers.0.mlp.gate"]
     with pytest.raises(ValueError, match="mixture-of-experts .* without -q awq_turbomind"):
@@ -250,7 +285,7 @@ def test_unlisted_16_bit_modules_are_found_and_moe_is_refused(fake_turbomind, mo
 
 
 def test_layers_refuse_partitions_the_groups_do_not_divide(fake_turbomind, one_rank):
-    quant = method.AWQTurboMindLinearMethod(method.AWQTurboMindConfig.from_config(AWQ_CONFIG))
+    quant = method.AWQTurboMindLinearMethod(GROUP)
     with pytest.raises(ValueError, match="groups 128 input features; this layer has 192 per tensor-parallel rank"):
         quant.create_weights(torch.nn.Module(), 192, [256], 384, 256, torch.float16, weight_loader=None)
     with pytest.raises(ValueError, match="packs 8 output features"):
@@ -288,7 +323,7 @@ def test_fused_qkv_loads_through_vllm_and_matches_the_reference(fake_turbomind, 
     from vllm.model_executor.layers.linear import QKVParallelLinear
 
     gen = torch.Generator().manual_seed(0)
-    config = method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+    config = AWQTurboMindConfig.from_config(AWQ_CONFIG)
     hidden, head, heads, kv_heads = 256, 64, 4, 2
     layer = QKVParallelLinear(hidden, head, heads, kv_heads, bias=True, params_dtype=dtype, quant_config=config,
                               prefix="model.layers.0.self_attn.qkv_proj")
@@ -312,7 +347,7 @@ def test_merged_gate_up_and_row_parallel_down_match_the_reference(fake_turbomind
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
     gen = torch.Generator().manual_seed(1)
-    config = method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+    config = AWQTurboMindConfig.from_config(AWQ_CONFIG)
     hidden, inter = 256, 384
     gate_up = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, params_dtype=dtype,
                                          quant_config=config, prefix="model.layers.0.mlp.gate_up_proj")
@@ -334,7 +369,7 @@ def test_merged_gate_up_and_row_parallel_down_match_the_reference(fake_turbomind
 
 
 def _loaded_layer(gen, k=256, n=192):
-    config = method.AWQTurboMindConfig.from_config(AWQ_CONFIG)
+    config = AWQTurboMindConfig.from_config(AWQ_CONFIG)
     quant = config.get_quant_method(object.__new__(__import__("vllm.model_executor.layers.linear",
                                                               fromlist=["ReplicatedLinear"]).ReplicatedLinear), "x")
     layer = torch.nn.Module()
