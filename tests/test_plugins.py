@@ -86,7 +86,7 @@ import json, os, sys, types
 from turboquant_vllm import plugins
 plugins.register()
 HEAVY = ["vllm.model_executor.layers.linear", "turboquant_vllm.quant.awq_turbomind.method",
-         "turboquant_vllm.quant.quartet2.method", "turboquant_vllm.quant.quartet2.quantize"]
+         "turboquant_vllm.quant.quartet2.plugin.method", "turboquant_vllm.quant.quartet2.kernels.quantize.quantize"]
 loaded = lambda: [m for m in HEAVY if m in sys.modules]
 registered = loaded()
 from vllm.model_executor.layers.quantization import get_quantization_config
@@ -121,5 +121,5 @@ print(json.dumps(out))
     assert out["awq_built"] == [["vllm.model_executor.layers.linear", "turboquant_vllm.quant.awq_turbomind.method"],
                                 True]
     assert out["q2_layer"] == "Quartet2LinearMethod"
-    assert "turboquant_vllm.quant.quartet2.method" in out["q2_built"]
-    assert plugins.PLUGINS["quartet2"] == "turboquant_vllm.quant.quartet2.config:register"
+    assert "turboquant_vllm.quant.quartet2.plugin.method" in out["q2_built"]
+    assert plugins.PLUGINS["quartet2"] == "turboquant_vllm.quant.quartet2:register"

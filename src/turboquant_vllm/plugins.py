@@ -17,7 +17,7 @@ logger = logging.getLogger("vllm.turboquant_vllm")
 PLUGINS = {
     "turboquant-kv-cache": "turboquant_vllm.vllm:register",  # --attention-backend CUSTOM
     "awq-turbomind": "turboquant_vllm.quant.awq_turbomind:register",  # -q awq_turbomind
-    "quartet2": "turboquant_vllm.quant.quartet2.config:register",  # -q quartet2
+    "quartet2": "turboquant_vllm.quant.quartet2:register",  # -q quartet2
     "cloverlm": "turboquant_vllm.models.cloverlm:register",  # architecture CloverLMForCausalLM
 }
 

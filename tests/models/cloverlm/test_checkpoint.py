@@ -11,8 +11,9 @@ import torch
 from turboquant_vllm.models.cloverlm import reference as ref
 from turboquant_vllm.models.cloverlm.checkpoint import (EOS, NVFP4_LINEARS, write_checkpoint, write_nvfp4_checkpoint,
                                                         write_tokenizer)
-from turboquant_vllm.quant.quartet2 import checkpoint as q2ckpt
-from turboquant_vllm.quant.quartet2 import linear, nvfp4
+from turboquant_vllm.quant.quartet2 import nvfp4
+from turboquant_vllm.quant.quartet2.kernels.dequantize.naive import unscaled_values
+from turboquant_vllm.quant.quartet2.plugin import checkpoint as q2ckpt
 
 # the smallest shape whose linears fill whole 128 x 64 scale tiles: d 256, KV rows 128, d_ff 1024
 TILED = ref.CloverLMShape(vocab_size=160, num_blocks=2, heads=4, d_head=64, ratio=2, max_context=64)
@@ -36,7 +37,7 @@ def test_nvfp4_checkpoint_reads_back_as_the_quantizer_wrote_it(tmp_path):
         assert torch.equal(back.packed, nvfp4.pack(q.codes)) and torch.equal(back.tensor_scale, q.tensor_scale)
         assert torch.equal(back.scales.view(torch.uint8), q.scales.view(torch.uint8)), name
         # the same values (up to where the tensor scale is multiplied in)
-        torch.testing.assert_close(linear.unscaled_values(back.packed, back.scales) * back.tensor_scale,
+        torch.testing.assert_close(unscaled_values(back.packed, back.scales) * back.tensor_scale,
                                    nvfp4.dequantize(q), rtol=2.5e-7, atol=0)
     # everything else as the bf16 checkpoint has it; the head tied, so absent
     rest = {k: v for k, v in stored.items() if not k.endswith(NVFP4_LINEARS) and "_scale" not in k}

@@ -42,11 +42,11 @@ except ImportError:  # the GPU image may lack pytest: run as a script
     pytest = None
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script too: tests.serving, this tree's package
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script too: benchmarks, this tree's package
 
-from tests.serving.test_gpu_openai_server import (HOST, assemble_report, check_record, free_port,  # noqa: E402
-                                                  http_get, kill_group, log_tail, plugin_site, render_chat,
-                                                  server_env, spawn, wait_healthy)
+from benchmarks.serving_common import (HOST, assemble_report, check_record, free_port,  # noqa: E402
+                                       http_get, kill_group, log_tail, plugin_site, render_chat,
+                                       server_env, spawn, wait_healthy)
 
 MAX_MODEL_LEN = 256
 GPU_MEMORY_UTILIZATION = 0.3

@@ -99,14 +99,15 @@ def nvfp4_weights(w: dict[str, torch.Tensor], tp: int = 1) -> dict[str, torch.Te
     """The linears' weights through quartet2's NVFP4 quantization and back (what Marlin's W4A16 multiplies by), one
     shard of each tensor-parallel rank at a time (a rank scales its shard alone): column-parallel layers split their
     output rows, row-parallel ones (lo, l2) their input columns."""
-    from turboquant_vllm.quant.quartet2 import linear
+    from turboquant_vllm.quant.quartet2.kernels.dequantize.naive import unscaled_values
+    from turboquant_vllm.quant.quartet2.kernels.quantize import quantize_weight
 
     out = dict(w)
     for k, v in w.items():
         if k.endswith(QUANTIZED):
             shards = v.to(DEVICE).chunk(tp, dim=1 if k.endswith(ROW_PARALLEL) else 0)
-            deq = [(linear.unscaled_values(q.packed, q.scales) * q.tensor_scale.float())
-                   for q in map(linear.quantize_weight, shards)]
+            deq = [(unscaled_values(q.packed, q.scales) * q.tensor_scale.float())
+                   for q in map(quantize_weight, shards)]
             out[k] = torch.cat(deq, dim=1 if k.endswith(ROW_PARALLEL) else 0).to(v.dtype).cpu()
     return out
 

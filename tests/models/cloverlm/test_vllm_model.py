@@ -203,11 +203,11 @@ def test_the_norms_are_torchs_rmsnorm(one_rank):
 def test_quartet2_quantizes_the_linears_not_the_embedding(tmp_path, one_rank, sdpa, monkeypatch):
     """`-q quartet2`: qkv, lo, l1, l2 get its method (through the prefixes the model gives them); the embedding
     and norms stay. Its emulation (W4A4) is as near the reference as the reference with NVFP4 weights is."""
-    from turboquant_vllm.quant.quartet2 import method
+    from turboquant_vllm.quant.quartet2.plugin import config, method, paths
 
-    monkeypatch.setenv(method.PATH_ENV, "emulate")
+    monkeypatch.setenv(paths.PATH_ENV, "emulate")
     w = weights(GQA, seed=8)
-    model = build(write_checkpoint(GQA, w, tmp_path / "ckpt"), torch.bfloat16, method.Quartet2Config())
+    model = build(write_checkpoint(GQA, w, tmp_path / "ckpt"), torch.bfloat16, config.Quartet2Config())
     model.load_weights(w.items())
     quantized = {n for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None),
                                                                    method.Quartet2LinearMethod)}
@@ -230,10 +230,11 @@ def test_quartet2_quantizes_the_linears_not_the_embedding(tmp_path, one_rank, sd
 
 def nvfp4_weight(w: torch.Tensor) -> torch.Tensor:
     """w through quartet2's NVFP4 quantization and back."""
-    from turboquant_vllm.quant.quartet2 import linear
+    from turboquant_vllm.quant.quartet2.kernels.dequantize.naive import unscaled_values
+    from turboquant_vllm.quant.quartet2.kernels.quantize import quantize_weight
 
-    q = linear.quantize_weight(w)
-    return (linear.unscaled_values(q.packed, q.scales) * q.tensor_scale.float()).to(w.dtype)
+    q = quantize_weight(w)
+    return (unscaled_values(q.packed, q.scales) * q.tensor_scale.float()).to(w.dtype)
 
 
 def test_an_nvfp4_checkpoint_loads_as_written(tmp_path, one_rank, sdpa, monkeypatch):
@@ -246,15 +247,16 @@ def test_an_nvfp4_checkpoint_loads_as_written(tmp_path, one_rank, sdpa, monkeypa
 
     from turboquant_vllm import plugins
     from turboquant_vllm.models.cloverlm.checkpoint import nvfp4_quant_config, write_nvfp4_checkpoint
-    from turboquant_vllm.quant.quartet2 import method, nvfp4
+    from turboquant_vllm.quant.quartet2 import nvfp4
+    from turboquant_vllm.quant.quartet2.plugin import config, method, paths
 
-    monkeypatch.setenv(method.PATH_ENV, "emulate")
+    monkeypatch.setenv(paths.PATH_ENV, "emulate")
     shape = ref.CloverLMShape(vocab_size=160, num_blocks=1, heads=4, d_head=64, ratio=2, max_context=64)
     w = weights(shape, seed=10)
     out = write_nvfp4_checkpoint(shape, w, tmp_path / "nvfp4")
     plugins.register()
     assert ModelConfig(model=str(out), skip_tokenizer_init=True, dtype="bfloat16").quantization == "quartet2"
-    model = build(out, torch.bfloat16, method.Quartet2Config.from_config(nvfp4_quant_config()))
+    model = build(out, torch.bfloat16, config.Quartet2Config.from_config(nvfp4_quant_config()))
     assert model.load_weights(load_file(str(out / "model.safetensors")).items()) == set(dict(model.named_parameters()))
     for _, module in model.named_modules():
         if isinstance(getattr(module, "quant_method", None), method.Quartet2LinearMethod):

@@ -2,9 +2,10 @@
 the names of reference.py, the head left out when tied): small random ones for the tests, a 4B-shaped one for speed.
 
 write_nvfp4_checkpoint: the NVFP4 variant CloverLM's converter writes (convert_checkpoint.py --nvfp4), in the format
-quant.quartet2.checkpoint reads: each block linear's weight as packed E2M1 codes, `<name>_scale` (E4M3, blocked) and
-`<name>_scale_2` (the fp32 tensor scale), the rest in bf16, and hf_quant_config.json (vLLM then picks quartet2 by
-itself). write_tokenizer: a small byte-level BPE tokenizer with a chat template, so test checkpoints can be served.
+quant.quartet2.plugin.checkpoint reads: each block linear's weight as packed E2M1 codes, `<name>_scale` (E4M3,
+blocked) and `<name>_scale_2` (the fp32 tensor scale), the rest in bf16, and hf_quant_config.json (vLLM then picks
+quartet2 by itself). write_tokenizer: a small byte-level BPE tokenizer with a chat template, so test checkpoints can
+be served.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def read_checkpoint(model_dir: str | Path) -> tuple[CloverLMShape, dict[str, tor
 
 def nvfp4_quant_config() -> dict:
     """hf_quant_config.json as CloverLM's converter writes it."""
-    from ...quant.quartet2 import checkpoint as q2ckpt, nvfp4
+    from ...quant.quartet2 import nvfp4
+    from ...quant.quartet2.plugin.checkpoint import PRODUCER
 
-    return {"producer": {"name": q2ckpt.PRODUCER, "version": "1.0"},
+    return {"producer": {"name": PRODUCER, "version": "1.0"},
             "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": nvfp4.GROUP,
                              "exclude_modules": ["emb", "linear"]}}
 
@@ -68,7 +70,8 @@ def write_nvfp4_checkpoint(shape: CloverLMShape, weights: dict[str, torch.Tensor
     """The block linears quantized by quartet2's reference quantizer (one tensor scale per weight, the 4/6 rule),
     their scales blocked as cuBLAS lays them out; every linear must fill whole 128-row x 64-column scale tiles (the
     converter's padded shapes are unreadable, so they are refused here too)."""
-    from ...quant.quartet2 import checkpoint as q2ckpt, nvfp4
+    from ...quant.quartet2 import nvfp4
+    from ...quant.quartet2.nvfp4.blocked import block_scales
 
     tensors = {}
     for name, w in weights.items():
@@ -77,7 +80,7 @@ def write_nvfp4_checkpoint(shape: CloverLMShape, weights: dict[str, torch.Tensor
             continue
         q = nvfp4.quantize(w.float())
         tensors[name] = nvfp4.pack(q.codes).view(torch.float4_e2m1fn_x2)
-        tensors[f"{name}_scale"] = q2ckpt.block_scales(q.scales)
+        tensors[f"{name}_scale"] = block_scales(q.scales)
         tensors[f"{name}_scale_2"] = q.tensor_scale.reshape(())
     out = write_checkpoint(shape, tensors, out_dir)
     (out / "hf_quant_config.json").write_text(json.dumps(nvfp4_quant_config(), indent=2) + "\n")
