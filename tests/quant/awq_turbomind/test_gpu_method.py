@@ -1,7 +1,7 @@
 """The vLLM method `awq_turbomind` on the GPU with the real turbomind 0.0.2 kernels: a layer created, loaded,
 repacked and applied as vLLM does it, against the fp32 product x @ dequantize(W) of the checkpoint's tensors over 7-8B
 and 32B layer shapes, and the op captured in a CUDA graph. Skipped without CUDA or without the turbomind wheel
-(pip install "turboquant-vllm[turbomind]")."""
+(pip install ".[turbomind]" from this source tree)."""
 
 import pytest
 import torch
