@@ -8,7 +8,8 @@ result file records, timing, plots), benchmarks.engine_rows the runner of those 
 (awq, weights). Results: benchmarks/results/<name>/<gpu>-<what>.<ext>, except the headline summaries
 benchmarks/results/{e2e,quality,awq,decode_sweep}.{json,md,png}; benchmarks/results/README.md indexes the current
 ones. The modes that render a result file (quality --report, decode_sweep --report) print it and write files only to
-an explicit --out.
+an explicit --out. benchmarks.serving_common holds what serving_soak and serving_spec_decode share with the serving
+GPU tests (tests/serving); both write into benchmarks/results/serving/.
 """
 
 # name -> one line: what it measures. Importing this package stays light (no torch): the runner lists these.
@@ -36,4 +37,8 @@ BENCHMARKS = {
            "Marlin, Triton, TurboMind) on a Llama-3-8B-shaped checkpoint (GPU)",
     "weights": "weight quantization in vLLM end to end vs bf16 weights: output tok/s and batch-1 decode latency of "
                "quartet2 (NVFP4 through Marlin FP4) and vLLM's fp8 on a Llama-3-8B-shaped model (GPU)",
+    "serving_soak": "`vllm serve` SmolLM2-135M under `vllm bench serve` per KV cache (tq4, tq3, FLASH_ATTN bf16), "
+                    "preemption on: failed requests, latency percentiles, output tok/s, GPU memory (GPU)",
+    "serving_spec_decode": "speculative decoding vs greedy decoding on the same backend with CUDA graphs: identical "
+                           "outputs against a rebatching control, acceptance rate, speed-up (GPU)",
 }

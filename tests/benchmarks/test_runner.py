@@ -18,7 +18,7 @@ from benchmarks import common, engine_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "benchmarks"
-HELPERS = {"__init__", "__main__", "common", "engine_rows"}
+HELPERS = {"__init__", "__main__", "common", "engine_rows", "serving_common"}
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in HELPERS)
 
 
@@ -36,7 +36,7 @@ def test_each_benchmark_imports_without_a_gpu_and_has_main(name):
     assert callable(module.main) and module.__doc__
 
 
-@pytest.mark.parametrize("name", MODULES + ["common", "engine_rows", "__main__"])
+@pytest.mark.parametrize("name", MODULES + ["common", "engine_rows", "serving_common", "__main__"])
 def test_no_sys_path_edits_nor_private_kernel_imports(name):
     tree = ast.parse((PACKAGE / f"{name}.py").read_text())
     for node in ast.walk(tree):

@@ -1,5 +1,6 @@
-"""The OpenAI-server GPU check's pure parts on the CPU: ports, /metrics parsing, agreement, stop strings, the chat
-template, the preset refusal's text, the server command and environment, process groups, /health polling, the report."""
+"""benchmarks.serving_common on the CPU, what the serving GPU tests and benchmarks share: ports, /metrics parsing,
+agreement, stop strings, the chat template, the preset refusal's text, the server command and environment, process
+groups, /health polling, the report, where the model and the text data are looked for."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import transformers
 
-from tests.serving import test_gpu_openai_server as srv
+from benchmarks import serving_common as srv
+from tests.serving import test_gpu_openai_server as api
 from tests.serving.fake_vllm import CHATML  # the ChatML template SmolLM2 uses, in short
+from turboquant_vllm.hf import smollm2
 
 METRICS = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
@@ -110,8 +114,6 @@ def model_dir(tmp_path: Path, template: str | None) -> Path:
     return d
 
 
-
-
 def test_render_chat_uses_the_model_template(tmp_path):
     d = model_dir(tmp_path, CHATML)
     text = srv.render_chat(d, [{"role": "user", "content": "Hi there"}])
@@ -123,25 +125,25 @@ def test_render_chat_uses_the_model_template(tmp_path):
         srv.render_chat(model_dir(tmp_path / "other", None), [{"role": "user", "content": "x"}])
 
 
-@pytest.mark.skipif(not (srv.Path.home() / ".cache/turboquant-vllm/smollm2-135m-instruct/tokenizer_config.json")
-                    .is_file(), reason="no converted SmolLM2 here")
+@pytest.mark.skipif(not (smollm2.default_model_dir() / "tokenizer_config.json").is_file(),
+                    reason=f"no converted SmolLM2-135M-Instruct in {smollm2.default_model_dir()}: "
+                           f"`turboquant-vllm model smollm2` writes it there")
 def test_render_chat_matches_transformers_on_smollm2():
-    transformers = pytest.importorskip("transformers")
-    d = srv.Path.home() / ".cache/turboquant-vllm/smollm2-135m-instruct"
+    d = smollm2.default_model_dir()
     tok = transformers.AutoTokenizer.from_pretrained(d)
     for p in srv.PROMPTS[:8]:
         assert srv.render_chat(d, p["messages"]) == tok.apply_chat_template(p["messages"], tokenize=False,
                                                                             add_generation_prompt=True)
 
 
-def test_preset_error_found_matches_our_settings_message(monkeypatch):
-    from turboquant_vllm.core.presets import PRESETS
-    from turboquant_vllm.vllm.settings import resolve_preset
+def test_preset_error_found_matches_our_message():
+    """The refusal the settings pass on from core.presets (`vllm serve` prints it behind its source, e.g.
+    "TURBOQUANT_PRESET: "); the whole path runs in test_openai_checks_on_cpu's bad-preset test."""
+    from turboquant_vllm.core.presets import PRESETS, get_preset
 
-    monkeypatch.setenv(srv.PRESET_ENV, "bogus")
     with pytest.raises(ValueError) as refused:
-        resolve_preset(None)
-    stderr = f"Traceback (most recent call last):\n  ...\nValueError: {refused.value}\n"
+        get_preset("bogus")
+    stderr = f"Traceback (most recent call last):\n  ...\nValueError: {srv.PRESET_ENV}: {refused.value}\n"
     found = srv.preset_error_found(stderr, "bogus", list(PRESETS))
     assert found["found"] and found["missing_presets"] == [] and "bogus" in found["line"]
     assert not srv.preset_error_found("ValueError: something else\n", "bogus", list(PRESETS))["found"]
@@ -173,7 +175,7 @@ def test_server_env_and_plugin_site(tmp_path):
     assert dist.metadata["Name"] == "turboquant-vllm"
 
 
-def test_report_assembly_and_default_out():
+def test_report_assembly():
     records = [srv.check_record("a", True, {"x": 1}), srv.check_record("b", 0, {"error": "boom"})]
     assert records[1] == {"name": "b", "passed": False, "details": {"error": "boom"}}
     report = srv.assemble_report(records, preset="tq4")
@@ -181,19 +183,6 @@ def test_report_assembly_and_default_out():
     assert report["preset"] == "tq4" and report["checks"] == records
     assert srv.assemble_report([srv.check_record("a", True, {})])["all_passed"] is True
     assert srv.assemble_report([])["all_passed"] is False  # no check run is no pass
-    out = srv.default_out("tq4")
-    assert out.parent == srv.ROOT / "benchmarks" / "results" / "serving" and out.name.endswith("-openai-api.json")
-    assert srv.default_out("k5v4").name.endswith("-openai-api-k5v4.json")
-
-
-def test_run_check_records_details_or_the_failure(monkeypatch):
-    def fails():
-        raise AssertionError("tokens differ")
-
-    monkeypatch.setattr(srv, "CHECKS", {"good": lambda: {"n": 3}, "bad": fails})
-    assert srv.run_check("good") == {"name": "good", "passed": True, "details": {"n": 3}}
-    bad = srv.run_check("bad")
-    assert bad["passed"] is False and bad["details"]["error"] == "AssertionError: tokens differ"
 
 
 def test_a_server_that_did_not_start_is_not_tried_again(monkeypatch, tmp_path):
@@ -204,40 +193,32 @@ def test_a_server_that_did_not_start_is_not_tried_again(monkeypatch, tmp_path):
         raise RuntimeError("tq: server exited with status 1 before /health answered")
 
     monkeypatch.setattr(srv.Server, "start", start)
-    run = srv.Run()
-    run.log_dir = tmp_path
+    run = api.Run("/m", "tq4", tmp_path)
     for _ in range(3):
         with pytest.raises(RuntimeError, match="exited with status 1"):
             run.server()
     assert tries == ["tq"] and run.servers == {} and run.fresh is None
 
 
-def test_script_writes_the_report(monkeypatch, tmp_path, capsys):
-    def fails():
-        raise AssertionError("no")
-
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    monkeypatch.setattr(srv, "RUN", srv.Run())
-    monkeypatch.setattr(srv, "CHECKS", {"alpha": lambda: {"n": 1}, "beta": fails, "gamma": lambda: {}})
-    out = tmp_path / "r" / "report.json"
-    argv = ["--model", str(tmp_path / "model"), "--out", str(out), "--logs", str(tmp_path / "logs"), "alpha", "beta"]
-    assert srv.main(argv) == 1
-    doc = json.loads(out.read_text())
-    assert [c["name"] for c in doc["checks"]] == ["alpha", "beta"] and doc["passed"] == 1 and doc["failed"] == 1
-    assert doc["checks"][0]["details"] == {"n": 1} and "AssertionError: no" in doc["checks"][1]["details"]["error"]
-    assert doc["model"] == str(tmp_path / "model") and doc["preset"] == "tq4" and doc["logs"] == str(tmp_path / "logs")
-    assert doc["meta"]["command"].startswith("python tests/serving/test_gpu_openai_server.py --model")
-    assert "FAIL beta" in capsys.readouterr().out
-    assert srv.main(["--model", str(tmp_path / "model"), "--out", str(out), "gamma"]) == 0
+def test_missing_model_says_how_to_make_one(tmp_path):
+    assert srv.MODEL_ENV in srv.missing_model(None) and "turboquant-vllm model smollm2" in srv.missing_model("")
+    assert "no config.json" in srv.missing_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert srv.missing_model(str(tmp_path)) is None
 
 
-def test_script_without_a_model_says_why(monkeypatch, capsys, tmp_path):
-    monkeypatch.delenv(srv.MODEL_ENV, raising=False)
-    assert srv.main(["--out", str(tmp_path / "r.json")]) == 2
-    assert srv.MODEL_ENV in capsys.readouterr().err and not (tmp_path / "r.json").exists()
-    assert srv.main(["--model", str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+def test_text_data_is_looked_for_where_the_skip_reason_says(tmp_path, monkeypatch):
+    monkeypatch.setenv(srv.TEXT_DATA_ENV, str(tmp_path / "nowhere"))
+    assert srv.text_data_candidates() == [tmp_path / "nowhere"] and srv.text_data_dir() is None
+    why = srv.missing_text_data()
+    for needle in (str(tmp_path / "nowhere"), "wikitext2-test.txt", "paul_graham_essays", "gutenberg",
+                   "../shared/data", srv.TEXT_DATA_ENV):
+        assert needle in why, (needle, why)
+    monkeypatch.setenv(srv.TEXT_DATA_ENV, str(tmp_path))
+    assert srv.text_data_dir() == tmp_path and srv.missing_text_data() is None
+    monkeypatch.delenv(srv.TEXT_DATA_ENV)
+    assert srv.text_data_candidates(tmp_path / "repo") == [tmp_path / "repo" / ".gpukit" / "w2" / "data",
+                                                          tmp_path / "shared" / "data"]
 
 
 def alive(pid: int) -> bool:
@@ -336,16 +317,3 @@ def test_wait_healthy_stops_when_the_server_dies_or_time_is_up(health_server):
         Health.ready_after = 2
         proc.kill()
         proc.wait()
-
-
-def test_merge_records_keeps_the_earlier_checks_not_rerun_in_check_order():
-    earlier = {"checks": [srv.check_record("endpoints", True, {}), srv.check_record("bad_preset_fails_at_startup",
-                                                                                    False, {"error": "old"})],
-               "meta": {"command": "python tests/serving/test_gpu_openai_server.py", "commit": "abc1234"}}
-    now = [srv.check_record("bad_preset_fails_at_startup", True, {}), srv.check_record("completion", True, {})]
-    merged = srv.merge_records(earlier, now)
-    assert [r["name"] for r in merged] == ["endpoints", "completion", "bad_preset_fails_at_startup"]
-    assert merged[0]["measured_by"] == {"command": "python tests/serving/test_gpu_openai_server.py",
-                                        "commit": "abc1234"}
-    assert merged[2]["passed"] and "measured_by" not in merged[2]
-    assert srv.assemble_report(merged)["all_passed"]

@@ -1,18 +1,19 @@
-"""The soak GPU script (test_gpu_soak) on the CPU: its arguments, its `vllm bench serve` command read by vLLM's own
-parser, vLLM's result JSON into rows, the memory summary, the soak.json merge, the prompt sets from text, and the
-whole run against the stand-in server (fake_vllm) with vLLM's real benchmark client, in this process."""
+"""The soak benchmark (benchmarks.serving_soak, whose short run is test_gpu_soak) on the CPU: its arguments, its
+`vllm bench serve` command read by vLLM's own parser, vLLM's result JSON into rows, the memory summary, the soak.json
+merge, the prompt sets from text, and the whole run against the stand-in server (fake_vllm) with vLLM's real benchmark
+client, in this process."""
 
 from __future__ import annotations
 
 import json
+import random
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.serving import fake_vllm, soak_summary, text_prompts
-from tests.serving import test_gpu_openai_server as srv
-from tests.serving import test_gpu_soak as soak
+from benchmarks import serving_common as srv
+from benchmarks import serving_soak as soak
+from tests.serving import fake_vllm
 
 # A `vllm bench serve --save-result --metric-percentiles 50,90,99 --percentile-metrics ttft,tpot,itl,e2el
 # --metadata kv=tq4 kv_tokens=16384` result as vLLM 0.25 writes it (vllm/benchmarks/serve.py: main_async's
@@ -30,7 +31,6 @@ BENCH_SAMPLE = {
     "p50_itl_ms": 12.9, "p90_itl_ms": 21.5, "p99_itl_ms": 61.3, "mean_e2el_ms": 2600.0, "median_e2el_ms": 2100.0,
     "std_e2el_ms": 1700.0, "p50_e2el_ms": 2100.0, "p90_e2el_ms": 4900.0, "p99_e2el_ms": 8100.0,
 }
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def test_arguments():
@@ -104,19 +104,19 @@ def test_memory_summary():
 
 def test_summary_merge_keeps_the_other_part(tmp_path):
     path = tmp_path / "soak.json"
-    soak_summary.write_summary(path, "spec_decode", [dict(kv="tq4", method="ngram", identical=200)], {"c": 1})
-    soak_summary.write_summary(path, "rows", [dict(kv="bf16", failed=0), dict(kv="tq4", failed=0)], {"c": 2})
-    doc = soak_summary.write_summary(path, "rows", [dict(kv="tq4", failed=3)], {"c": 3})
+    srv.write_summary(path, "spec_decode", [dict(kv="tq4", method="ngram", identical=200)], {"c": 1})
+    srv.write_summary(path, "rows", [dict(kv="bf16", failed=0), dict(kv="tq4", failed=0)], {"c": 2})
+    doc = srv.write_summary(path, "rows", [dict(kv="tq4", failed=3)], {"c": 3})
     assert [(r["kv"], r["failed"]) for r in doc["rows"]] == [("tq4", 3), ("bf16", 0)]  # replaced, kept, ordered
     assert doc["spec_decode"] == [dict(kv="tq4", method="ngram", identical=200)]
     assert doc["meta"] == {"spec_decode": {"c": 1}, "rows": {"c": 3}}
     assert json.loads(path.read_text()) == doc and not list(tmp_path.glob(".*.tmp"))
-    doc = soak_summary.write_summary(path, "spec_decode", [dict(kv="tq4", method="draft_model", identical=1)])
+    doc = srv.write_summary(path, "spec_decode", [dict(kv="tq4", method="draft_model", identical=1)])
     assert [e["method"] for e in doc["spec_decode"]] == ["draft_model", "ngram"] and len(doc["rows"]) == 2
     with pytest.raises(ValueError):
-        soak_summary.merge_summary(doc, "spec_decode", [dict(kv="tq4")])
+        srv.merge_summary(doc, "spec_decode", [dict(kv="tq4")])
     with pytest.raises(ValueError):
-        soak_summary.merge_summary(doc, "other", [])
+        srv.merge_summary(doc, "other", [])
 
 
 def test_text_sources_and_prompt_sets(tmp_path):
@@ -129,23 +129,23 @@ def test_text_sources_and_prompt_sets(tmp_path):
     (tmp_path / "wikitext2-test.txt").write_text(
         " \n = Alpha = \n \n Alpha is a 1 @,@ 000 @-@ year old thing . \n = = History = = \n It ran . \n"
         " = Beta = \n Beta text here . \n")
-    sources = text_prompts.read_sources(tmp_path)
+    sources = srv.read_sources(tmp_path)
     assert sources["wikitext"] == ["Alpha is a 1,000-year old thing . It ran .", "Beta text here ."]
     assert "licence" not in sources["books"][0] and sources["books"][0].count("Book words here.") == 400
-    rows = text_prompts.soak_prompt_set(sources, 50, seed=1, prompt_words=(5, 40), answer_words=(3, 9),
+    rows = srv.soak_prompt_set(sources, 50, seed=1, prompt_words=(5, 40), answer_words=(3, 9),
                                         median_prompt_words=10, median_answer_words=5)
     assert len(rows) == 50 and all(5 <= len(r["prompt"].split()) <= 40 and 3 <= len(r["answer"].split()) <= 9
                                    for r in rows)
-    assert rows == text_prompts.soak_prompt_set(sources, 50, seed=1, prompt_words=(5, 40), answer_words=(3, 9),
+    assert rows == srv.soak_prompt_set(sources, 50, seed=1, prompt_words=(5, 40), answer_words=(3, 9),
                                                 median_prompt_words=10, median_answer_words=5)  # deterministic
     assert sum(r["prompt"].startswith(("First", "Book")) for r in rows) >= 40  # passages start at a sentence
-    doc = json.loads(text_prompts.write_sharegpt(tmp_path / "p.json", rows).read_text())
+    doc = json.loads(srv.write_sharegpt(tmp_path / "p.json", rows).read_text())
     assert doc[3]["conversations"] == [{"from": "human", "value": rows[3]["prompt"]},
                                        {"from": "gpt", "value": rows[3]["answer"]}]
     with pytest.raises(FileNotFoundError):
-        text_prompts.read_sources(tmp_path / "none")
+        srv.read_sources(tmp_path / "none")
     with pytest.raises(ValueError):
-        text_prompts.Passages({"s": ["too short"]}).take(50)
+        srv.Passages({"s": ["too short"]}).take(50)
 
 
 def run_bench_in_process(cmd, env, log_stem, timeout):
@@ -162,10 +162,12 @@ def run_bench_in_process(cmd, env, log_stem, timeout):
 
 @pytest.fixture
 def fake_soak(tmp_path, monkeypatch):
-    """A soak run's arguments and a stand-in server (tokenizer, a 300-token KV budget) per KV cache."""
-    pytest.importorskip("openai")
-    if not DATA.is_dir():
-        pytest.skip("no ../shared/data")
+    """A soak run's arguments, its text (an essay of random sentences: the stand-in's answers ignore it) and a
+    stand-in server (tokenizer, a 300-token KV budget) per KV cache."""
+    rng = random.Random(0)
+    essay = tmp_path / "text" / "paul_graham_essays" / "essay.txt"
+    essay.parent.mkdir(parents=True)
+    essay.write_text(" ".join(" ".join(rng.choices(fake_vllm.WORDS, k=rng.randint(4, 12))) + "." for _ in range(300)))
     model = tmp_path / "model"
     fake_vllm.write_tokenizer(model)
     httpds = []
@@ -179,7 +181,8 @@ def fake_soak(tmp_path, monkeypatch):
 
     monkeypatch.setattr(soak, "nvidia_smi_memory_mib", lambda: 2048.0)  # flat GPU memory
     args = soak.parse_args([
-        "--model", str(model), "--data", str(DATA), "--kv", "tq4,bf16", "--requests", "16", "--concurrency", "8",
+        "--model", str(model), "--data", str(essay.parents[1]), "--kv", "tq4,bf16", "--requests", "16",
+        "--concurrency", "8",
         "--prompt-words", "4,12", "--median-prompt-words", "6", "--answer-words", "2,6", "--median-answer-words", "3",
         "--sample-interval", "0.1", "--logs", str(tmp_path / "logs"), "--out", str(tmp_path / "out" / "cpu-soak"),
         "--summary", str(tmp_path / "out" / "soak.json")])
@@ -191,7 +194,7 @@ def fake_soak(tmp_path, monkeypatch):
 
 def test_soak_against_the_stand_in_server(fake_soak, tmp_path, monkeypatch):
     args, server_for = fake_soak
-    soak_summary.write_summary(args.summary, "spec_decode", [dict(kv="tq4", method="ngram", identical=256)])
+    srv.write_summary(args.summary, "spec_decode", [dict(kv="tq4", method="ngram", identical=256)])
     real = fake_vllm.choices_for
     calls = {"n": 0}
 
@@ -207,7 +210,7 @@ def test_soak_against_the_stand_in_server(fake_soak, tmp_path, monkeypatch):
         return server_for(kv)
 
     monkeypatch.setattr(fake_vllm, "choices_for", sometimes_500)
-    rows = soak.run(args, "python tests/serving/test_gpu_soak.py --quick", server_and_mark, run_bench_in_process)
+    rows = soak.run(args, "python -m benchmarks serving_soak --quick", server_and_mark, run_bench_in_process)
     tq4, bf16 = rows
     assert tq4["passed"], {k: tq4.get(k) for k in ("checks", "error")}
     assert (tq4["requests"], tq4["failed"], tq4["completed"]) == (16, 0, 16) and tq4["preemptions"] > 0
@@ -224,7 +227,7 @@ def test_soak_against_the_stand_in_server(fake_soak, tmp_path, monkeypatch):
     assert [r["kv"] for r in doc["rows"]] == ["tq4", "bf16"] and doc["spec_decode"][0]["identical"] == 256
     for r in doc["rows"]:
         assert {"kv", "requests", "failed", "preemptions", "ttft_p99_ms", "tpot_p50_ms", "output_tok_s"} <= set(r)
-    assert doc["meta"]["rows"]["command"] == "python tests/serving/test_gpu_soak.py --quick"
+    assert doc["meta"]["rows"]["command"] == "python -m benchmarks serving_soak --quick"
     md = (tmp_path / "out" / "cpu-soak.md").read_text()
     assert "| tq4 | 16 | 0 |" in md and "**FAILED** zero_failed" in md and "vllm.entrypoints.cli.main bench serve" in md
     assert (tmp_path / "out" / "cpu-soak.png").stat().st_size > 10000
@@ -237,6 +240,8 @@ def test_a_server_that_does_not_start_is_a_failed_row(fake_soak, monkeypatch):
     def no_server(kv):
         raise RuntimeError("tq3: server exited with status 1 before /health answered")
 
-    (row,) = soak.run(args, "cmd", no_server, run_bench_in_process)
+    (row,) = soak.run(args, "cmd", no_server, run_bench_in_process, write=False)  # as the GPU test runs it
     assert not row["passed"] and "server did not start" in row["error"] and row["failed"] is None
+    assert not args.summary.exists() and not args.out.with_suffix(".md").exists()
+    soak.run(args, "cmd", no_server, run_bench_in_process)
     assert json.loads(args.summary.read_text())["rows"][0]["kv"] == "tq3"

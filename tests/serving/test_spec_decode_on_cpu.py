@@ -1,4 +1,5 @@
-"""The speculative-decoding GPU script (test_gpu_spec_decode) on the CPU: its arguments and vLLM configs (checked by
+"""The speculative-decoding benchmark (benchmarks.serving_spec_decode, whose quick run is test_gpu_spec_decode) on the
+CPU: its arguments and vLLM configs (checked by
 vLLM's own EngineArgs / SpeculativeConfig), the Prometheus and CUDA-graph log parsing (samples in vLLM's formats),
 the comparisons, the engine-side runs on a stand-in LLM, and the parent's whole flow with the engines' processes
 replaced by stand-in LLMs in this process."""
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks import engine_rows
-from tests.serving import soak_summary
-from tests.serving import test_gpu_spec_decode as spec
+from benchmarks import serving_common as sc
+from benchmarks import serving_spec_decode as spec
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = sc.text_data_dir()  # WikiText-2, essays, books: sc.missing_text_data() says where to get them
 
 # /metrics of a vLLM 0.25 engine pair with speculative decoding (prometheus_client's exposition: counters as
 # <name>_total plus <name>_created, per-position counters labelled by position).
@@ -107,7 +108,7 @@ def test_spec_counters_and_acceptance():
     both = spec.sum_acceptance([acc, spec.acceptance(zero, dict(zero, drafts=10, draft_tokens=40,
                                                                 accepted_tokens=0, accepted_per_pos={}))])
     assert both["acceptance_rate"] == pytest.approx(180 / 400)
-    assert soak_summary.counter(METRICS, "vllm:num_preemptions_total") == 3
+    assert sc.counter(METRICS, "vllm:num_preemptions_total") == 3
 
 
 def test_cudagraph_steps_from_vllms_table():
@@ -262,9 +263,9 @@ def test_batch_invariant_runs_demand_identity(prompt_file, tmp_path, monkeypatch
                             "6", "--repetitive", "6", "--plain", "5", "--single", "3", "--batch-invariant",
                             "--logs", str(tmp_path / "logs"), "--out", str(tmp_path / "spec.json"),
                             "--summary", str(tmp_path / "soak.json")])
-    monkeypatch.setattr(spec.text_prompts, "read_sources", lambda d: {})
-    monkeypatch.setattr(spec.text_prompts, "spec_prompt_set", lambda *a, **k: json.loads(path.read_text()))
-    (entry,) = spec.run(args, "python tests/serving/test_gpu_spec_decode.py --batch-invariant")
+    monkeypatch.setattr(sc, "read_sources", lambda d: {})
+    monkeypatch.setattr(sc, "spec_prompt_set", lambda *a, **k: json.loads(path.read_text()))
+    (entry,) = spec.run(args, "python -m benchmarks serving_spec_decode --batch-invariant")
     assert seen == ["1", "1", "1"] and entry["method"] == f"{args.method_list[0]}, {spec.BATCH_INVARIANT_LABEL}"
     assert (entry["identical"], entry["control_identical"]) == (10, 7) and not entry["passed"]
     assert not spec.parse_args(["--model", "/m"]).batch_invariant
@@ -304,14 +305,14 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
 
     monkeypatch.setattr(engine_rows, "run_child", run_child)
     summary = tmp_path / "soak.json"
-    soak_summary.write_summary(summary, "rows", [{"kv": "tq4", "requests": 9}])  # the soak's part, kept
+    sc.write_summary(summary, "rows", [{"kv": "tq4", "requests": 9}])  # the soak's part, kept
     args = spec.parse_args(["--model", "/m", "--data", str(tmp_path), "--kv", "tq4,tq3", "--max-tokens", "6",
                             "--repetitive", "6", "--plain", "5", "--single", "3",
                             "--logs", str(tmp_path / "logs"), "--out", str(tmp_path / "spec.json"),
                             "--summary", str(summary)])
-    monkeypatch.setattr(spec.text_prompts, "read_sources", lambda d: {})
-    monkeypatch.setattr(spec.text_prompts, "spec_prompt_set", lambda *a, **k: json.loads(path.read_text()))
-    entries = spec.run(args, "python tests/serving/test_gpu_spec_decode.py ...")
+    monkeypatch.setattr(sc, "read_sources", lambda d: {})
+    monkeypatch.setattr(sc, "spec_prompt_set", lambda *a, **k: json.loads(path.read_text()))
+    entries = spec.run(args, "python -m benchmarks serving_spec_decode ...")
     by_kv = {e["kv"]: e for e in entries}
     assert list(by_kv) == ["tq4", "tq3", "bf16", "fp8"]
     tq4, fp8 = by_kv["tq4"], by_kv["fp8"]
@@ -336,24 +337,25 @@ def test_the_whole_flow_with_stand_in_engines(prompt_file, tmp_path, monkeypatch
                                                                     ("bf16", "ngram"), ("fp8", "ngram")]
     assert set(spec.SUMMARY_KEYS) <= set(doc["spec_decode"][0]) and doc["meta"]["spec_decode"]["command"]
     detail = json.loads((tmp_path / "spec.json").read_text())
-    assert detail["meta"]["command"].startswith("python tests/serving") and len(detail["entries"]) == 4
+    assert detail["meta"]["command"].startswith("python -m benchmarks serving_spec_decode")
+    assert len(detail["entries"]) == 4
     md = (tmp_path / "spec.md").read_text()
     assert "**FAILED**" in md and "refused at startup" in md
     assert "| bf16 | ngram | 11 | 10 | 11 | 0 / 1 (66) | 1 | 0 |" in md
     # rows merged from several runs name theirs
-    assert "- tq4 ngram, tq3 ngram, bf16 ngram, fp8 ngram: `python tests/serving/test_gpu_spec_decode.py ...` at" in md
+    assert "- tq4 ngram, tq3 ngram, bf16 ngram, fp8 ngram: `python -m benchmarks serving_spec_decode ...` at" in md
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="no ../shared/data")
+@pytest.mark.skipif(DATA is None, reason=str(sc.missing_text_data()))
 def test_prompt_groups_make_ngram_drafts_possible():
-    """The repetitive prompts repeat their passage (the n-grams speculation matches), the plain ones do not."""
-    from tests.serving import text_prompts
-
-    groups = text_prompts.spec_prompt_set(text_prompts.read_sources(DATA), 30, 20, seed=3)
+    """The repetitive prompts repeat their passage (the n-grams speculation matches), the plain ones do not; the
+    plain ones take every source of the real text in turn."""
+    sources = sc.read_sources(DATA)
+    groups = sc.spec_prompt_set(sources, 30, 20, seed=3)
     assert [len(g) for g in groups.values()] == [30, 20]
     for item in groups["repetitive"]:
         words = item["prompt"].split()
         tail = " ".join(words[-4:])
         assert " ".join(words).count(tail) >= 2, item  # the prompt's last words occurred before
     assert len({i["prompt"] for i in groups["plain"]}) == 20
-    assert {i["source"] for i in groups["plain"]} == {"wikitext", "essays", "books"}
+    assert {i["source"] for i in groups["plain"]} == set(sources)
