@@ -31,7 +31,8 @@ def one_line_error(capsys, *needles: str) -> str:
 
 @pytest.fixture(autouse=True)
 def no_preset_in_the_environment(monkeypatch):
-    monkeypatch.delenv("TURBOQUANT_PRESET", raising=False)
+    for name in ("TURBOQUANT_PRESET", "TURBOQUANT_LAYER_PRESETS", "TURBOQUANT_KEY_CALIBRATION"):
+        monkeypatch.delenv(name, raising=False)
 
 
 # --- verify -------------------------------------------------------------------------------------------------------
@@ -48,6 +49,8 @@ def test_verify_json_schema_and_values(capsys):
     assert all(set(p) >= {"name", "head_dim", "bytes_per_token_per_head"} for p in out["presets"])
     assert out["package"]["ok"] and out["package"]["location"] == str(PACKAGE_DIR)
     assert set(out["environment"]) == {"vllm", "vllm_supported", "gpu", "quartet2_few_token_kernel"}
+    assert out["settings"] == {"preset": "tq4", "preset_source": "default", "layer_presets": None,
+                               "key_calibration": None}
 
 
 def test_verify_text_names_the_package_vllm_and_gpu(capsys):
@@ -57,8 +60,43 @@ def test_verify_text_names_the_package_vllm_and_gpu(capsys):
     assert "vLLM: " in out and "GPU: " in out and "compute capability" in out
 
 
+def test_verify_says_what_vllm_serve_does_with_the_settings(capsys, monkeypatch):
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
+    monkeypatch.setenv("TURBOQUANT_LAYER_PRESETS", "0,1=bf16")
+    assert main(["verify", "--vectors", "2000", "--head-dim", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert ("serve settings: preset: tq3 (from TURBOQUANT_PRESET); layer presets: 0,1=bf16 (from "
+            "TURBOQUANT_LAYER_PRESETS; the other layers tq3); key calibration: none") in lines
+    monkeypatch.delenv("TURBOQUANT_LAYER_PRESETS")
+    config = '{"turboquant_preset": "TQ3", "turboquant_layer_presets": {"-1": "k5v4"}}'  # tq3 twice: one preset
+    assert main(["verify", "--json", "--vectors", "2000", "--head-dim", "64", "--additional-config", config]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"] == {
+        "preset": "tq3", "preset_source": "--additional-config turboquant_preset", "layer_presets": {"-1": "k5v4"},
+        "key_calibration": None}
+
+
+@pytest.mark.parametrize("env, argv, needles", [
+    ({"TURBOQUANT_PRESET": "bogus"}, [],
+     ["verify: error: TURBOQUANT_PRESET: unknown TurboQuant preset 'bogus'; choose one of tq4, tq3, k4v3"]),
+    ({"TURBOQUANT_PRESET": "tq4"}, ["--additional-config", '{"turboquant_preset": "tq3"}'],
+     ["preset given twice: --additional-config turboquant_preset='tq3' and TURBOQUANT_PRESET='tq4'"]),
+    ({}, ["--additional-config", '{"turboquant_layer_presets": {"0": "tq9"}}'],
+     ["--additional-config turboquant_layer_presets: unknown preset 'tq9' for layers 0"]),
+    ({"TURBOQUANT_LAYER_PRESETS": "0-"}, [], ["TURBOQUANT_LAYER_PRESETS: entry '0-' is not LAYERS=PRESET"]),
+    ({"TURBOQUANT_KEY_CALIBRATION": "/nowhere/keys.safetensors"}, [],
+     ["TURBOQUANT_KEY_CALIBRATION: key calibration file /nowhere/keys.safetensors does not exist"]),
+    ({}, ["--additional-config", "[1]"], ["argument --additional-config: expected a JSON object"]),
+    ({}, ["--additional-config", "{tq3}"], ["argument --additional-config: not JSON"]),
+])
+def test_verify_refuses_what_vllm_serve_would_refuse(env, argv, needles, monkeypatch, capsys):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["verify", *argv]) == 2
+    one_line_error(capsys, *needles)
+
+
 def test_verify_says_whether_the_few_token_kernel_is_built(capsys, monkeypatch, tmp_path):
-    from turboquant_vllm.quant.quartet2 import native
+    from turboquant_vllm.quant.quartet2.kernels.marlin_mma import native
 
     monkeypatch.setenv(native.DIR_ENV, str(tmp_path))
     lines, record = environment.environment_report()
@@ -161,11 +199,21 @@ def test_agreement_counts_the_common_prefix_and_every_position_over_the_longer_a
         demo.agreement([[1]], [])  # one answer per prompt from each engine
 
 
-def test_verdict_names_each_criterion():
-    assert demo.verdict(True, 0.8, 0.05) == (
-        True, "demo: ok (no NaN; token agreement 0.80 >= 0.05; perplexity +5.0% <= +50%)")
-    for args, needle in [((False, 0.8, 0.05), "NaN or inf in the logits"), ((True, 0.04, 0.05), "0.04 < 0.05"),
-                         ((True, 0.8, 0.9), "+90.0% > +50%"), ((True, 0.8, float("nan")), "nan")]:
+def test_verdict_compares_the_cost_with_the_documented_one_and_fails_a_broken_cache():
+    expected = demo.EXPECTED_PPL_INCREASE
+    assert sorted(expected) == sorted(PRESETS)  # every preset has its documented cost
+    assert demo.verdict("tq4", True, 0.8, 0.05) == (True, (
+        f"demo: ok (no NaN; token agreement 0.80 >= 0.05; tq4 costs +5.0% perplexity, within the "
+        f"{expected['tq4']:+.0%} documented for it)"))
+    ok, line = demo.verdict("tq4", True, 0.3, expected["tq4"] + 0.2)  # costly, not broken: still exit 0
+    assert ok and line == (f"demo: above expectations: tq4 costs {expected['tq4'] + 0.2:+.1%} perplexity, above the "
+                           f"{expected['tq4']:+.0%} documented for it on SmolLM2-135M (docs/quality.md, \"The demo\"); "
+                           f"no NaN; token agreement 0.30 >= 0.05")
+    assert demo.verdict("tq2", True, 0.3, expected["tq2"])[1].startswith("demo: ok (")
+    for args, needle in [(("tq4", False, 0.8, 0.05), "NaN or inf in the logits"),
+                         (("tq4", True, 0.04, 0.05), "0.04 < 0.05"),
+                         (("tq2", True, 0.8, 9.5), "+950.0% (10.5x the baseline's: a broken cache)"),
+                         (("tq4", True, 0.8, float("nan")), "nan")]:
         ok, line = demo.verdict(*args)
         assert not ok and line.startswith("demo: FAILED (") and needle in line, line
 
@@ -190,7 +238,7 @@ def test_report_of_the_cpu_run():
     assert "measured: 64,800 B stored for 10 tokens (codes + fp32 norms; 6,480 B a token)" in text
     assert "token agreement (2 prompts, 5 tokens): 0.60 until the first divergence, 0.60 overall" in text
     assert "20.000 baseline, 21.000 tq4 (+5.00%)" in text and "vLLM's KV cache" not in text
-    assert ok and lines[-1] == "demo: ok (no NaN; token agreement 0.60 >= 0.05; perplexity +5.0% <= +50%)"
+    assert ok and lines[-1] == demo.verdict("tq4", True, 0.6, 0.05)[1]
 
 
 def test_report_of_the_vllm_run_gives_the_kv_capacity_and_fails_on_nan():
@@ -284,12 +332,12 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, needles, capsys):
     one_line_error(capsys, *needles)
 
 
-@pytest.mark.parametrize("command", [["serve", "org/model"], ["demo"], ["bench"],
+@pytest.mark.parametrize("command", [["serve", "org/model"], ["demo"], ["bench"], ["verify"],
                                      ["calibrate", "org/m", "--text", "a.txt", "--out", "k.safetensors"]])
 def test_an_unknown_preset_in_the_environment_is_refused(command, monkeypatch, capsys):
     monkeypatch.setenv("TURBOQUANT_PRESET", "bogus")  # as the container image and its Quadlet unit set it
     assert main(command) == 2
-    one_line_error(capsys, "TURBOQUANT_PRESET='bogus': unknown TurboQuant preset 'bogus'; choose one of tq4")
+    one_line_error(capsys, "TURBOQUANT_PRESET: unknown TurboQuant preset 'bogus'; choose one of tq4")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message for machines without a GPU")
@@ -304,6 +352,28 @@ def test_serve_and_calibrate_without_vllm_say_what_to_install(command, monkeypat
     monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vllm fails as if it were not installed
     assert main(command) == 2
     one_line_error(capsys, "vLLM is not installed", 'pip install "vllm>=0.25,<0.26"', 'pip install ".[vllm]"')
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A GPU serving runs on, as torch reports it (an H200)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+
+
+@pytest.mark.parametrize("cuda, capability, needles", [
+    (False, None, ["serve needs an NVIDIA GPU of compute capability >= 8.0, and none is visible here"]),
+    (True, (7, 5), ["serve needs an NVIDIA GPU of compute capability >= 8.0; Tesla T4 has 7.5"]),
+])
+def test_serve_without_a_usable_gpu_is_one_line(cuda, capability, needles, monkeypatch, capsys):
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("vLLM started"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert main(["serve", "org/model"]) == 2
+    one_line_error(capsys, *needles)
 
 
 def test_serve_refuses_an_unsupported_vllm(monkeypatch, capsys):
@@ -335,15 +405,65 @@ def test_hub_ids_and_paths_are_told_apart(model, is_path):
     assert arguments.looks_like_path(model) == is_path
 
 
-def test_serve_runs_vllm_with_the_backend_the_preset_and_the_other_arguments(monkeypatch):
+def serve(monkeypatch, argv: list[str]) -> tuple[list[str], dict, dict]:
+    """(the vllm serve command, its --additional-config, its environment) that `turboquant-vllm serve argv` execs."""
     calls = []
     monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
     monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: calls.append((cmd, env)))
-    monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
-    main(["serve", "org/model", "--max-model-len", "4096", "--preset", "k4v3"])
+    main(["serve", *argv])
     (cmd, env), = calls
-    assert cmd[-6:] == ["serve", "org/model", "--attention-backend", "CUSTOM", "--max-model-len", "4096"]
-    assert env["TURBOQUANT_PRESET"] == "k4v3"  # --preset wins over the environment
+    assert cmd[:7] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", argv[0], "--attention-backend",
+                       "CUSTOM"]
+    assert cmd[7] == "--additional-config" and "--additional-config" not in cmd[9:]
+    return cmd[9:], json.loads(cmd[8]), env
+
+
+def test_serve_passes_the_preset_in_additional_config(monkeypatch, gpu):
+    """vLLM keys its compile cache by --additional-config, not by our environment variables."""
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
+    monkeypatch.setenv("KEEP", "1")
+    rest, config, env = serve(monkeypatch, ["org/model", "--max-model-len", "4096", "--preset", "k4v3"])
+    assert rest == ["--max-model-len", "4096"] and config == {"turboquant_preset": "k4v3"}
+    assert "TURBOQUANT_PRESET" not in env and env["KEEP"] == "1"  # --preset wins over the environment
+    rest, config, env = serve(monkeypatch, ["org/model", "--enforce-eager"])  # the environment's preset
+    assert rest == ["--enforce-eager"] and config == {"turboquant_preset": "tq3"} and "TURBOQUANT_PRESET" not in env
+    monkeypatch.delenv("TURBOQUANT_PRESET")
+    assert serve(monkeypatch, ["org/model"])[1] == {"turboquant_preset": "tq4"}  # the default, said
+
+
+@pytest.mark.parametrize("vllm_args, config", [
+    (["--additional-config", '{"gdn_prefill_backend": "x", "turboquant_preset": "K4V3"}', "-tp", "2"],
+     {"gdn_prefill_backend": "x", "turboquant_preset": "k4v3"}),
+    (["--additional_config={\"turboquant_layer_presets\": {\"0\": \"bf16\"}}", "-tp", "2"],
+     {"turboquant_layer_presets": {"0": "bf16"}, "turboquant_preset": "k4v3"}),
+    (["--additional-config.turboquant_preset", "k4v3", "--additional-config.a.b=1", "-tp", "2"],
+     {"turboquant_preset": "k4v3", "a": {"b": 1}}),
+])
+def test_serve_merges_the_users_additional_config(monkeypatch, gpu, vllm_args, config):
+    rest, got, _ = serve(monkeypatch, ["org/model", "--preset", "k4v3", *vllm_args])
+    assert rest == ["-tp", "2"] and got == config
+
+
+@pytest.mark.parametrize("env, argv, needles", [
+    ({}, ["--preset", "k4v3", "--additional-config", '{"turboquant_preset": "tq3"}'],
+     ["serve: error: --preset k4v3 and --additional-config turboquant_preset='tq3' disagree; give the preset once"]),
+    ({}, ["--preset", "k4v3", "--additional-config.turboquant_preset", "bogus"],
+     ["turboquant_preset='bogus' disagree"]),
+    ({"TURBOQUANT_PRESET": "tq4"}, ["--additional-config", '{"turboquant_preset": "tq3"}'],
+     ["preset given twice: --additional-config turboquant_preset='tq3' and TURBOQUANT_PRESET='tq4'"]),
+    ({}, ["--additional-config", '{"turboquant_preset": "tq9"}'],
+     ["--additional-config turboquant_preset: unknown TurboQuant preset 'tq9'; choose one of tq4"]),
+    ({}, ["--additional-config", "tq3"], ["--additional-config: not JSON"]),
+    ({}, ["--additional-config"], ["--additional-config needs a value"]),
+    ({"TURBOQUANT_LAYER_PRESETS": "0=tq9"}, [], ["TURBOQUANT_LAYER_PRESETS: unknown preset 'tq9'"]),
+])
+def test_serve_refuses_settings_vllm_would_refuse(env, argv, needles, monkeypatch, capsys, gpu):
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("vLLM started"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "org/model", *argv]) == 2
+    one_line_error(capsys, *needles)
 
 
 # --- version and help ---------------------------------------------------------------------------------------------
@@ -407,21 +527,22 @@ def test_cloverlm_offline_generates_for_the_prompts_and_prints_them(clover_dir, 
         calls.append((engine, prompts, max_tokens, os.environ.get("TURBOQUANT_PRESET")))
         return [f"<{p}>" for p in prompts]
 
+    monkeypatch.setattr(os, "environ", dict(os.environ, TURBOQUANT_PRESET="tq4"))  # the command may change it
     monkeypatch.setattr(cloverlm, "generate", generate)
     assert main(["cloverlm", str(clover_dir)]) == 0
     engine, prompts, max_tokens, preset = calls[-1]
-    assert engine == {"model": str(clover_dir), "tensor_parallel_size": 1, "dtype": "bfloat16"} and preset is None
+    assert engine == {"model": str(clover_dir), "tensor_parallel_size": 1, "dtype": "bfloat16"} and preset == "tq4"
     assert prompts == list(cloverlm.DEFAULT_PROMPTS) and max_tokens == cloverlm.DEFAULT_MAX_TOKENS
     out = capsys.readouterr().out
     assert f"prompt: {prompts[0]}\ngenerated: <{prompts[0]}>" in out and out.count("generated: ") == 3
-    monkeypatch.setattr(os, "environ", dict(os.environ))  # the command sets the preset for vLLM's processes
     assert main(["cloverlm", str(clover_dir), "--tp", "2", "--max-model-len", "256", "--gpu-memory-utilization",
                  "0.3", "--kv-preset", "tq3", "--quantization", "quartet2", "--prompt", "a b", "--prompt", "c",
                  "--max-tokens", "5"]) == 0
     engine, prompts, max_tokens, preset = calls[-1]
     assert engine == {"model": str(clover_dir), "tensor_parallel_size": 2, "dtype": "bfloat16", "max_model_len": 256,
-                      "gpu_memory_utilization": 0.3, "quantization": "quartet2", "attention_backend": "CUSTOM"}
-    assert (prompts, max_tokens, preset) == (["a b", "c"], 5, "tq3")
+                      "gpu_memory_utilization": 0.3, "quantization": "quartet2", "attention_backend": "CUSTOM",
+                      "additional_config": {"turboquant_preset": "tq3"}}
+    assert (prompts, max_tokens, preset) == (["a b", "c"], 5, None)  # --kv-preset, not a second preset in the env
     assert "generated: <a b>" in capsys.readouterr().out
 
 
@@ -434,13 +555,14 @@ def test_cloverlm_api_execs_vllm_serve_with_its_flags(clover_dir, vllm_025, monk
                                              str(clover_dir), "--host", "127.0.0.1", "--port", "8000",
                                              "--tensor-parallel-size", "1", "--dtype", "bfloat16"]
     assert "TURBOQUANT_PRESET" not in env
+    monkeypatch.setenv("TURBOQUANT_PRESET", "tq4")
     main(["cloverlm", str(clover_dir), "--api", "--host", "0.0.0.0", "--port", "9100", "--tp", "4", "--kv-preset",
           "K4V3", "--max-model-len", "128", "--gpu-memory-utilization", "0.5", "--quantization", "quartet2"])
     _, cmd, env = calls[-1]
     assert cmd[5:] == ["--host", "0.0.0.0", "--port", "9100", "--tensor-parallel-size", "4", "--dtype", "bfloat16",
                        "--max-model-len", "128", "--gpu-memory-utilization", "0.5", "--quantization", "quartet2",
-                       "--attention-backend", "CUSTOM"]
-    assert env["TURBOQUANT_PRESET"] == "k4v3"
+                       "--attention-backend", "CUSTOM", "--additional-config", '{"turboquant_preset": "k4v3"}']
+    assert "TURBOQUANT_PRESET" not in env  # the preset goes through --additional-config alone
 
 
 def test_cloverlm_a_remote_code_tokenizer_needs_trust_remote_code(clover_dir, vllm_025, monkeypatch, capsys):

@@ -135,7 +135,7 @@ def check(args: argparse.Namespace) -> tuple[Path, dict]:
     if isinstance(heads, int) and heads % args.tp:
         raise UsageError(f"--tp {args.tp}: CloverLM's {heads} attention heads do not split evenly over {args.tp} "
                          "GPUs")
-    from ..quant.quartet2.checkpoint import is_cloverlm_nvfp4
+    from ..quant.quartet2.plugin.checkpoint import is_cloverlm_nvfp4
 
     if is_cloverlm_nvfp4(quant_config(model_dir, config)) and args.tp > 1:
         raise UsageError(f"--tp {args.tp}: an NVFP4 checkpoint's blocked scales do not split over GPUs; serve it "
