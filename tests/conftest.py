@@ -19,6 +19,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+    mark_interpreter_tiers(items)
+
+
+def mark_interpreter_tiers(items) -> None:
+    """Under Triton's interpreter a kernel matrix costs minutes, so its cases come in two tiers. A test marked
+    `matrix` runs a covering subset by default: the case ids in `matrix(fast=[...])`, else the first case that brings
+    each parameter value (every preset, head dim, dtype ... once). Its other cases are marked `slow`: the default run
+    (pyproject's addopts `-m "not slow"`) leaves them out, `pytest -m slow` runs them (CI runs both tiers). On a GPU
+    every case runs."""
+    seen: dict[str, set] = {}
+    for item in items:
+        mark = item.get_closest_marker("matrix")
+        if mark is None:
+            continue
+        fast = mark.kwargs.get("fast")
+        callspec = getattr(item, "callspec", None)
+        if fast is not None:
+            keep = callspec is not None and callspec.id in {str(case) for case in fast}
+        else:
+            values = {(name, repr(value)) for name, value in callspec.params.items()} if callspec else {("", "")}
+            covered = seen.setdefault(item.nodeid.split("[")[0], set())
+            keep = not values <= covered
+            covered |= values
+        if not keep:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -74,6 +74,8 @@ def run_case(case, seed):
     return out, ref
 
 
+# every mode, preset, head dim, dtype and GQA width, a window, a soft-cap and a calibration, in ~25 s interpreted
+@pytest.mark.matrix(fast=[0, 3, 4, 6, 10, 12, 15, 16, 19, 21, 22, 24])
 @pytest.mark.parametrize("i", range(NUM_CASES))
 def test_attention_matches_reference(i):
     case = draw_case(i)
@@ -83,6 +85,7 @@ def test_attention_matches_reference(i):
     assert rel < TOLERANCE[case["dtype"]], f"relative error {rel:.2e} for {case}"
 
 
+@pytest.mark.matrix(fast=[0, 1, 5, 6])
 @pytest.mark.parametrize("i", range(30 if FULL_MATRIX else 8))
 def test_decode_kernel_matches_reference(i):
     """Decode has its own kernel (one online softmax per warp): every preset, head dim and GQA width, both dtypes,
@@ -104,6 +107,7 @@ def test_decode_kernel_matches_reference(i):
     assert rel < TOLERANCE[case["dtype"]], f"relative error {rel:.2e} for {case}"
 
 
+@pytest.mark.matrix(fast=["decode-6"])
 @pytest.mark.parametrize("group", [3, 5, 6, 7])
 @pytest.mark.parametrize("mode", ["decode", "chunked"])
 def test_groups_that_are_not_powers_of_two(group, mode):
@@ -123,6 +127,7 @@ def test_groups_that_are_not_powers_of_two(group, mode):
     assert rel < TOLERANCE[case["dtype"]], f"relative error {rel:.2e} for {case}"
 
 
+@pytest.mark.matrix(fast=["64-k5v4"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_calibrated_sinks_match_reference(preset, head_dim):
@@ -194,6 +199,7 @@ def test_workspace_is_caller_provided():
     assert (out.float() - ref).norm() / ref.norm() < 5e-3
 
 
+@pytest.mark.matrix(fast=["tq4"])
 @pytest.mark.parametrize("preset", ["tq4", "tq3"])
 def test_decode_deals_query_heads_to_programs(preset):
     """head_split: a group of 16 query heads decoded by two programs of 8 (a ragged group of 12: the second
@@ -220,6 +226,7 @@ def test_decode_deals_query_heads_to_programs(preset):
         paged_attention(*args, max_query_len=1, scale=0.125, out=torch.empty_like(q), head_split=2, decode=False)
 
 
+@pytest.mark.matrix(fast=["1-tq4-dtype0", "1-tq3-dtype1"])
 @pytest.mark.parametrize("preset,dtype", [("tq4", torch.bfloat16), ("tq3", torch.float16)])
 @pytest.mark.parametrize("q_len", [1, 40])
 def test_value_norms_from_zero_past_the_fp16_range(preset, dtype, q_len):
@@ -305,6 +312,7 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
     assert decode_head_split(1, tq4, 128, 16) == decode_head_split(1, tq3, 256, 16) == 1
 
 
+@pytest.mark.matrix(fast=["k5v4-64-dtype4-None"])
 @pytest.mark.parametrize("preset,head_dim,dtype,window", [
     ("tq4", 64, torch.bfloat16, None), ("tq3", 128, torch.float16, 7), ("k4v3", 96, torch.bfloat16, None),
     ("tq4", 256, torch.float16, 7), ("k5v4", 64, torch.float16, None)])

@@ -9,6 +9,7 @@ from turboquant_vllm.ops.dequant.naive import read_kv_reference
 from turboquant_vllm.ops.store.naive import store_kv_reference
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (96, 32), (128, 16), (256, 32)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -21,6 +21,7 @@ def layout_for(head_dim: int, kv_heads: int) -> CacheLayout:
     return CacheLayout(get_preset("tq4"), head_dim, kv_heads, 16)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -71,6 +72,7 @@ def check_offsets(offset, query, scale, cal):
     torch.testing.assert_close(offset, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("spread", [False, True], ids=["one-launch", "spread"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("splits", [1, 2, 6, 8, 12, 32, 64])

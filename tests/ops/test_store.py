@@ -23,6 +23,7 @@ def near_boundary_bytes(x, layout, bits, eps=1e-5):
     return ((y.abs().unsqueeze(-1) - edges).abs() < eps).any(-1)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -76,6 +77,7 @@ def test_store_matches_reference(preset, head_dim, dtype, calibrated):
             assert (n_ours >= 0).all()
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 4, 8])

@@ -19,6 +19,7 @@ from turboquant_vllm.ops.rotation.rotation import (
 from turboquant_vllm.ops.store.store import STORE_LARGE_BATCH, _store_kv_kernel
 
 
+@pytest.mark.matrix(fast=[])  # every prefill launch, interpreted: minutes
 @pytest.mark.parametrize("dense_prefill", [True, False])
 def test_warm_up_runs_every_prefill_launch(monkeypatch, dense_prefill):
     """The launches serving meets outside CUDA graphs: both store tiles, the context expansion (with the dense

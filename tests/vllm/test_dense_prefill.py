@@ -35,6 +35,7 @@ def varlen_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_se
     return out
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("preset", ["tq4", "tq3", "k3v2"])
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 8), (256, 1)])
 @pytest.mark.parametrize("window,softcap,calibrated", [(None, None, False), (50, 30.0, False), (50, None, True)])

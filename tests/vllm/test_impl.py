@@ -26,6 +26,7 @@ def write_calibration(path, layer_names, kv_heads=KV_HEADS, head_dim=HEAD_DIM, s
     return str(path)
 
 
+@pytest.mark.matrix(fast=["decodes-tq4-key-calibration", "mixed-k3v2-window+softcap"])
 @pytest.mark.parametrize(
     "layer_kwargs, calibrated",
     [({}, False), ({"per_layer_sliding_window": 8, "logits_soft_cap": 30.0}, False), ({}, True)],

