@@ -2,9 +2,6 @@
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
-
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging
 

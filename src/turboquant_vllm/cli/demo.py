@@ -1,6 +1,8 @@
 """`turboquant-vllm demo`: a real model (SmolLM2-135M-Instruct by default) answers a few prompts greedily and scores
 a WikiText-2 excerpt twice, once with a plain KV cache and once with the TurboQuant cache. The report puts both
-answers, the KV bytes, the token agreement and both perplexities side by side, and ends with a verdict line.
+answers, the KV bytes, the token agreement and both perplexities side by side, and ends with a verdict line: ok, or
+above expectations when the preset cost more perplexity than docs/quality.md documents for it (both exit 0: the demo
+ran correctly), or FAILED (exit 1) for a broken cache (NaN, garbage tokens) or an engine that died.
 
 - GPU with vLLM: vLLM offline, FLASH_ATTN over a bf16 cache vs this plugin's backend (CUSTOM), one subprocess each
   (an engine does not tear down cleanly inside one process; a fresh one also gets the whole GPU).
@@ -29,12 +31,15 @@ PROMPTS = (
     "Explain in two sentences why the sky is blue.",
 )
 PPL_TOKENS, PPL_WINDOW = 1024, 512  # the excerpt's first tokens, scored in windows of a fresh cache each
-# Generous on purpose: they catch a broken cache (garbage tokens, a perplexity far off), not a fine loss. One early
-# divergence turns the rest of an answer into a different one, so a few prompts give a noisy agreement: on
-# SmolLM2-135M (CPU, 40 tokens) every preset scored 0.09-0.42, tq2 included; perplexity tells them apart (k5v4 +1.5%,
-# tq4 +5.9%, k4v3 +9.4%, tq3 +26%, k3v2 +38%, tq2 +211%).
+# What each preset may cost in this demo before the verdict says "above expectations": the perplexity increase on
+# SmolLM2-135M-Instruct documented in docs/quality.md ("The demo": the increase measured there, a quarter more,
+# rounded up to a whole percent: room for the GPU path's bf16 arithmetic and the excerpt's noise).
+EXPECTED_PPL_INCREASE = {"k5v4": 0.02, "tq4": 0.09, "k4v3": 0.10, "tq3": 0.34, "k3v2": 0.48, "tq2": 2.65}
+# A broken cache, not a costly one: the demo fails (exit 1). One early divergence turns the rest of an answer into a
+# different one, so a few prompts give a noisy agreement (0.09-0.40 on SmolLM2-135M in the same table, tq2 included),
+# but garbage agrees on next to nothing; and no preset comes near 10x the baseline's perplexity (tq2: 3.1x).
 MIN_AGREEMENT = 0.05  # identical greedy tokens, overall
-MAX_PPL_INCREASE = 0.5  # perplexity at most 1.5x the baseline's
+BROKEN_PPL_RATIO = 10.0
 GPU_MEMORY_UTILIZATION = 0.4
 RESULT_TAG = "RESULT "
 ENGINE_TIMEOUT_S = 900
@@ -74,14 +79,23 @@ def perplexity(result: dict) -> float:
     return math.exp(result["nll"] / result["scored"]) if result["scored"] else float("nan")
 
 
-def verdict(finite: bool, overall: float, ppl_increase: float) -> tuple[bool, str]:
-    """The last line: ok when nothing is NaN, enough greedy tokens agree and the perplexity rose little enough."""
+def verdict(preset_name: str, finite: bool, overall: float, ppl_increase: float) -> tuple[bool, str]:
+    """The last line, and whether the demo passes. FAILED (False) for a broken cache: NaN or inf, greedy tokens that
+    agree on next to nothing, a perplexity BROKEN_PPL_RATIO times the baseline's. Otherwise it ran correctly (True):
+    ok when the preset cost at most the perplexity documented for it, "above expectations" when it cost more."""
     agree_ok = overall >= MIN_AGREEMENT
-    ppl_ok = math.isfinite(ppl_increase) and ppl_increase <= MAX_PPL_INCREASE
-    ok = finite and agree_ok and ppl_ok
-    return ok, (f"demo: {'ok' if ok else 'FAILED'} ({'no NaN' if finite else 'NaN or inf in the logits'}; token "
-                f"agreement {overall:.2f} {'>=' if agree_ok else '<'} {MIN_AGREEMENT:.2f}; perplexity "
-                f"{ppl_increase:+.1%} {'<=' if ppl_ok else '>'} {MAX_PPL_INCREASE:+.0%})")
+    sane = math.isfinite(ppl_increase) and 1 + ppl_increase < BROKEN_PPL_RATIO
+    checks = (f"{'no NaN' if finite else 'NaN or inf in the logits'}; token agreement {overall:.2f} "
+              f"{'>=' if agree_ok else '<'} {MIN_AGREEMENT:.2f}")
+    if not (finite and agree_ok and sane):
+        ratio = "" if sane else f" ({1 + ppl_increase:.1f}x the baseline's: a broken cache)"
+        return False, f"demo: FAILED ({checks}; perplexity {ppl_increase:+.1%}{ratio})"
+    expected = EXPECTED_PPL_INCREASE[preset_name]
+    if ppl_increase > expected:
+        return True, (f"demo: above expectations: {preset_name} costs {ppl_increase:+.1%} perplexity, above the "
+                      f"{expected:+.0%} documented for it on SmolLM2-135M (docs/quality.md, \"The demo\"); {checks}")
+    return True, (f"demo: ok ({checks}; {preset_name} costs {ppl_increase:+.1%} perplexity, within the "
+                  f"{expected:+.0%} documented for it)")
 
 
 def kv_bytes_per_token(preset_name: str, shape: dict) -> tuple[int, int]:
@@ -136,7 +150,7 @@ def report(facts: dict, preset_name: str, prompts: list[str], texts: list[list[s
               (f"perplexity, WikiText-2 excerpt ({base['scored']} tokens scored in windows of {PPL_WINDOW}): "
                f"{ppl_base:.3f} baseline, {ppl_ours:.3f} {preset.name} ({increase:+.2%})"),
               f"time: {base['seconds']:.1f} s baseline, {ours['seconds']:.1f} s {preset.name}"]
-    ok, line = verdict(base["finite"] and ours["finite"], agree["overall"], increase)
+    ok, line = verdict(preset_name, base["finite"] and ours["finite"], agree["overall"], increase)
     return ok, lines + [line]
 
 
