@@ -10,9 +10,10 @@ with --quick decode graphs only, {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY
   - per method (--methods, default ngram, or ngram_gpu where numba is missing): the same with --speculative-config,
     e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     (draft_model: the model drafts for itself; ngram_gpu: vLLM's GPU n-gram proposer).
-Prompts (serving_common.spec_prompt_set, from --data's real text): a "repetitive" group (a passage repeated, then restarted: drafts
-accept, and whole batches verify K + 1 tokens a request, which vLLM replays in FULL CUDA graphs), a "plain" group
-(passages continued as they are), each run as one batch; then the first --single repetitive prompts one at a time.
+Prompts (serving_common.spec_prompt_set, from --data's real text): a "repetitive" group (a passage repeated, then
+restarted: drafts accept, and whole batches verify K + 1 tokens a request, which vLLM replays in FULL CUDA graphs), a
+"plain" group (passages continued as they are), each run as one batch; then the first --single repetitive prompts one
+at a time.
 
 Per method: identical outputs (prompt by prompt, whole token sequences) against the reference, and the rounding
 control: the reference against its rebatched run, plain greedy decoding both, where only the batch arithmetic differs
