@@ -450,7 +450,7 @@ def missing_text_data(root: Path = ROOT) -> str | None:
     looked = ", ".join(map(str, text_data_candidates(root)))
     return (f"no text data: looked in {looked}. The serving prompt sets read real text from a folder holding any of "
             f"{TEXT_FILES}; put them in ../shared/data beside the checkout, or set {TEXT_DATA_ENV}=DIR (--data DIR "
-            f"for python -m benchmarks serving)")
+            f"for the serving_soak and serving_spec_decode benchmarks)")
 
 
 MAX_BOOKS = 8  # of the (sorted) book files: enough text, a bounded read (the corpus holds ~100 MB)
