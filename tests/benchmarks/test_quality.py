@@ -262,7 +262,6 @@ def test_bytes_per_token():
 
 def test_bytes_per_token_of_vllm_turboquant():
     """vLLM 0.25's slots (K: codes + fp16 norm or fp8; V: codes + fp16 scale and zero), layers 0, 1, 14, 15 in bf16."""
-    pytest.importorskip("vllm")
     got = {kv: quality.bytes_formula(kv, 16, 128) for kv in quality.IN_TREE}
     slots = {"turboquant_k8v4": 196, "turboquant_4bit_nc": 134, "turboquant_k3v4_nc": 118, "turboquant_3bit_nc": 102}
     assert got == {kv: (4 * 512 + 12 * s) / 16 for kv, s in slots.items()}
@@ -521,7 +520,6 @@ def test_markdown_of_the_reference_lm_file():
 
 @pytest.mark.parametrize("name", ["quality", "smollm2-135m"])
 def test_report_writes_markdown_and_figures_to_out(tmp_path, name, capsys):
-    pytest.importorskip("matplotlib", reason="the figures need matplotlib")
     src = tmp_path / f"{name}.json"
     src.write_text(json.dumps(results_doc()))
     quality.main(["--report", str(src), "--out", str(tmp_path / "out" / name)])

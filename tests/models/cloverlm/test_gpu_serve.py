@@ -250,7 +250,6 @@ if pytest is not None:
 
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA GPU")
-        pytest.importorskip("openai")
         report = run_all(1, tmp_path / "logs")
         failed = {r["name"]: r["details"] for r in report["checks"] if not r["passed"]}
         assert not failed, json.dumps(failed, indent=1, default=str)[:6000]

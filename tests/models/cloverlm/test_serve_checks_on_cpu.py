@@ -15,7 +15,6 @@ from tests.serving import fake_vllm
 
 @pytest.fixture
 def fake(tmp_path):
-    pytest.importorskip("openai")
     model = tmp_path / "model"
     fake_vllm.write_model_dir(model)
     httpd, port = fake_vllm.serve(str(model))
