@@ -1,7 +1,7 @@
 """The runner of the benchmarks whose rows are whole vLLM engines, one child process per row (awq, weights): the
 rows' command line, the child timing one engine (throughput and batch-1 decode latency), the parent running the
 children and reading their logs, the results written after every row (JSON, Markdown tables, bar plots), and
-WeightRows, the benchmark of them that awq and weights subclass; the serving scripts (tests/serving) use its helpers
+WeightRows, the benchmark of them that awq and weights subclass; the serving benchmarks (serving_soak) use its helpers
 too. Like benchmarks.common, it imports neither torch nor vLLM at import time.
 """
 
