@@ -14,16 +14,14 @@ Runs, each a fresh vLLM (CUDA graphs on, max_model_len 256, GPU memory 0.3), its
                    the grace period ends (no SIGKILL needed) and the port is closed
   tq4_api_*        the same server and checks with --kv-preset tq4 (TurboQuant KV cache, attention backend CUSTOM)
 
-    python tests/models/cloverlm/test_gpu_serve.py --tp N --out FILE.json --logs DIR
-    python -m pytest -q -m gpu tests/models/cloverlm/test_gpu_serve.py     # --tp 1, no report
+    python -m pytest -q -m gpu tests/models/cloverlm/test_gpu_serve.py     # --tp 1, and --tp 2 on 2 GPUs
 
-The report: {"summary": {check: "pass" | "fail"}, "checks": [{name, passed, details}], ...}; exit 1 on a failure.
-The API checks' client side runs on the CPU against a stand-in server (test_serve_checks_on_cpu.py).
+A failure names every failed check with its details. The API checks' client side runs on the CPU against a
+stand-in server (test_serve_checks_on_cpu.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -34,19 +32,12 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-try:
-    import pytest
+import pytest
 
-    pytestmark = pytest.mark.gpu
-except ImportError:  # the GPU image may lack pytest: run as a script
-    pytest = None
+from benchmarks.serving_common import (HOST, assemble_report, check_record, free_port, http_get, kill_group,
+                                       log_tail, plugin_site, render_chat, server_env, spawn, wait_healthy)
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script too: benchmarks, this tree's package
-
-from benchmarks.serving_common import (HOST, assemble_report, check_record, free_port,  # noqa: E402
-                                       http_get, kill_group, log_tail, plugin_site, render_chat,
-                                       server_env, spawn, wait_healthy)
+pytestmark = pytest.mark.gpu
 
 MAX_MODEL_LEN = 256
 GPU_MEMORY_UTILIZATION = 0.3
@@ -244,30 +235,12 @@ def run_all(tp: int, log_dir: Path) -> dict:
     return report
 
 
-if pytest is not None:
-    def test_cloverlm_serves_offline_and_over_the_api(tmp_path):
-        import torch
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cloverlm_serves_offline_and_over_the_api(tmp_path, tp):
+    import torch
 
-        if not torch.cuda.is_available():
-            pytest.skip("needs a CUDA GPU")
-        report = run_all(1, tmp_path / "logs")
-        failed = {r["name"]: r["details"] for r in report["checks"] if not r["passed"]}
-        assert not failed, json.dumps(failed, indent=1, default=str)[:6000]
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default %(default)s)")
-    ap.add_argument("--out", type=Path, required=True, help="the JSON report")
-    ap.add_argument("--logs", type=Path, help="the runs' stdout / stderr (default: a temporary folder)")
-    args = ap.parse_args(argv)
-    report = run_all(args.tp, args.logs or Path(tempfile.mkdtemp(prefix="cloverlm-serve-logs-")))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    print(json.dumps(report["summary"], indent=1))
-    print(f"wrote {args.out} ({report['passed']} passed, {report['failed']} failed, {report['seconds']} s)")
-    return 0 if report["all_passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} CUDA GPU(s)")
+    report = run_all(tp, tmp_path / "logs")
+    failed = {r["name"]: r["details"] for r in report["checks"] if not r["passed"]}
+    assert not failed, json.dumps(failed, indent=1, default=str)[:6000]
