@@ -1,5 +1,6 @@
 """benchmarks.layer_step without a GPU: the written table, and the mixed step's launches (interpreted)."""
 
+import pytest
 import torch
 
 from benchmarks import layer_step
@@ -19,6 +20,7 @@ def test_markdown_puts_host_and_gpu_time_side_by_side():
     assert "| tq4 | 64 x 512 | 128 | 61.2 | 12.5 | 4.9 |" in md
 
 
+@pytest.mark.slow  # interpreted kernels of a mixed step: ~12 s (CI's slow tier)
 def test_mixed_step_attends_as_the_reference():
     """The benchmarked mixed step (decodes + a prefill through the general kernel), with the store's query rotation
     and with rotations of their own: the reference's attention over the pages the step leaves."""

@@ -47,6 +47,7 @@ def converted_logits(smollm2_dir, prompt):
     return logits(AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16), prompt)
 
 
+@pytest.mark.slow  # a second bf16 load of the GGUF: ~20 s (CI's slow tier)
 def test_logits_equal_the_gguf_read_in_bf16(smollm2_gguf, prompt, converted_logits):
     direct = logits(smollm2.load_gguf_model(smollm2_gguf, torch.bfloat16), prompt)
     assert converted_logits.dtype == torch.bfloat16

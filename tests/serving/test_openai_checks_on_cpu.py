@@ -106,6 +106,7 @@ def test_stop_strings_not_honoured_fail_the_test(fake_run, monkeypatch):
         api.test_stop_strings(fake_run)
 
 
+@pytest.mark.slow  # a real `vllm serve` start: ~11 s (CI's slow tier)
 def test_bad_preset_test_against_the_real_vllm_serve(tmp_path):
     """`vllm serve` loads the plugins, hence refuses the preset, before it looks for a device: this runs here."""
     model = tmp_path / "model"

@@ -200,6 +200,7 @@ def test_the_norms_are_torchs_rmsnorm(one_rank):
         assert torch.equal(norm.forward_native(x), module(x))
 
 
+@pytest.mark.slow  # a vLLM model quantized on the CPU: ~10 s (CI's slow tier)
 def test_quartet2_quantizes_the_linears_not_the_embedding(tmp_path, one_rank, sdpa, monkeypatch):
     """`-q quartet2`: qkv, lo, l1, l2 get its method (through the prefixes the model gives them); the embedding
     and norms stay. Its emulation (W4A4) is as near the reference as the reference with NVFP4 weights is."""
@@ -237,6 +238,7 @@ def nvfp4_weight(w: torch.Tensor) -> torch.Tensor:
     return (unscaled_values(q.packed, q.scales) * q.tensor_scale.float()).to(w.dtype)
 
 
+@pytest.mark.slow  # a vLLM model from an NVFP4 checkpoint on the CPU: ~16 s (CI's slow tier)
 def test_an_nvfp4_checkpoint_loads_as_written(tmp_path, one_rank, sdpa, monkeypatch):
     """checkpoint.write_nvfp4_checkpoint's files, claimed by quartet2 from hf_quant_config.json and loaded by the
     model's load_weights: every linear holds the written codes, scales and tensor scales (qkv: three parts, one
