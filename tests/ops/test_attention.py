@@ -276,9 +276,10 @@ def test_decode_launch_only_where_it_was_measured_to_pay():
     """tq4 up to head_dim 128: one warp, loads two tiles ahead, 168 registers, ~6 programs per SM; the narrower
     presets and tq4 at 256: one tile ahead, 24 programs per SM (tq4 at 256: 4), 168 registers at head_dim 65..128
     only; k5v4 (the general kernel): 4 warps, 2 per SM (benchmarks/results/kernel_variants/ at commit 98a39d8,
-    h200-decode-tables-stages-launch.log). One sequence: up to 64 splits in the per-warp kernel, 32 in the general one; more: 32, 16 for tq4 at
-    256 (h{100,200}-tq4-d256-split-count.md), of at least 128 tokens for one sequence, 256 for more
-    (h100-tq4-one-sequence-split-floor-d*.md); up to 128 rows the spread merge (h100-one-sequence-kernels.log).
+    h200-decode-tables-stages-launch.log). One sequence: up to 64 splits in the per-warp kernel, 32 in the general
+    one; more: 32, 16 for tq4 at 256 (h{100,200}-tq4-d256-split-count.md), of at least 128 tokens for one
+    sequence, 256 for more (h100-tq4-one-sequence-split-floor-d*.md); up to 128 rows the spread merge
+    (h100-one-sequence-kernels.log).
     """
     from turboquant_vllm.core.presets import get_preset
     from turboquant_vllm.ops.attention import AttentionLaunch, decode_launch

@@ -45,6 +45,7 @@ def test_rotate_queries_matches_reference(head_dim, dtype, group, calibrated):
         check_offsets(offset, query, 0.3, cal)
 
 
+@pytest.mark.matrix(fast=["128"])  # two MMA chains of 64 over K
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_spread_rotation_any_chain_length_matches_reference(head_dim):
     """The spread kernel sums independent MMA chains of block_k over K: one chain (block_k = head_dim) or many, the
@@ -148,6 +149,7 @@ def test_rejects_bad_input():
         rotate_queries(src.transpose(1, 2), layout, 1.0)
 
 
+@pytest.mark.matrix(fast=["True"])
 @pytest.mark.parametrize("calibrated", [False, True])
 def test_prefill_sized_inputs_match_reference(calibrated):
     """Over 4096 rows the kernels take wider tiles (kernels.rotation.launch_shape)."""

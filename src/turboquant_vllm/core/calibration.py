@@ -4,7 +4,8 @@ For one query, q.k and (q * s).((k - m) / s) differ by q.m, the same for every k
 (without a logit soft-cap) gives the same weights; the cache then quantizes (k - m) / s instead of k.
 
 - The mean m (per layer and KV head) takes out the large component keys share: the quantization
-  error scales with the norm of what is quantized (benchmarks/results/quality_diagnosis/cpu-reference-lm.md at commit 98a39d8).
+  error scales with the norm of what is quantized (benchmarks/results/quality_diagnosis/cpu-reference-lm.md at
+  commit 98a39d8).
 - The scale s moves key energy out of the channels that queries barely read: the error of
   q.k_hat is sum_c q_c s_c e_c with e the (roughly isotropic) error of (k - m) / s, and
   E[(k_c - m_c)^2] / s_c^2 * E[q_c^2] s_c^2 balanced over channels gives

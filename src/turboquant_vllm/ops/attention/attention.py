@@ -155,7 +155,8 @@ def paged_attention(
     if layout.preset.k_bits == 5:
         # Triton 3.6 miscompiles the general kernel's MMAs over 5-bit key tiles of 32 coordinate pairs (head_dim 64:
         # shared-memory addresses out of range, or wrong scores; compute-sanitizer in
-        # benchmarks/results/tests/h100-k5-head-dim-64.log at commit 98a39d8): pad them to 64 pairs, the padding masked to zero.
+        # benchmarks/results/tests/h100-k5-head-dim-64.log at commit 98a39d8): pad them to 64 pairs, the padding
+        # masked to zero.
         constants["D_PAD"] = max(constants["D_PAD"], 128)
     common = dict(
         NUM_Q_HEADS=num_q_heads, GROUP=group, NUM_SPLITS=num_splits, **constants,

@@ -30,8 +30,9 @@ LARGE_ROWS = 4096  # rows (tokens x query heads) above which a launch takes the 
 # sequence of 32 q heads: the merge 15.0 us at d 128, 61.2 us at d 256; spread 4.7 and 8.4 in two launches).
 SPREAD_ROWS = 128
 SPREAD_BLOCK_R = 16
-# K of each independent MMA chain of a spread rotation: H100 (benchmarks/results/kernel_variants/h100-spread-rotation-mma-chains.log at commit 98a39d8), one
-# launch at d 128 2.86 -> 2.73 us (32 rows), at d 256 6.14 -> 5.28 (7.18 -> 5.38 at 128 rows); 32 lost to one chain.
+# K of each independent MMA chain of a spread rotation: H100 (benchmarks/results/kernel_variants/
+# h100-spread-rotation-mma-chains.log at commit 98a39d8), one launch at d 128 2.86 -> 2.73 us (32 rows), at d 256
+# 6.14 -> 5.28 (7.18 -> 5.38 at 128 rows); 32 lost to one chain.
 SPREAD_BLOCK_K = 64
 SPREAD = 0  # merge_and_unrotate's rows_per_program for the spread merge
 
