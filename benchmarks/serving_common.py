@@ -442,6 +442,19 @@ def text_data_dir(root: Path = ROOT) -> Path | None:
     return next((p for p in text_data_candidates(root) if p.is_dir()), None)
 
 
+def add_model_and_data(ap, data_help: str) -> None:
+    """The serving benchmarks' --model (the converted SmolLM2 directory) and --data (the text folder) options."""
+    ap.add_argument("--model", default=os.environ.get(MODEL_ENV), help=f"the converted SmolLM2 dir (${MODEL_ENV})")
+    ap.add_argument("--data", type=Path, default=text_data_dir(), help=data_help)
+
+
+def apply_scale(args, quick: dict, full: dict) -> None:
+    """Every size option not given takes --quick's value, or the full run's."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def missing_text_data(root: Path = ROOT) -> str | None:
     """Why there is no text data, said so that a newcomer can act (the folders looked in, the files wanted, how to
     point elsewhere); None when there is."""

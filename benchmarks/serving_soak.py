@@ -84,11 +84,8 @@ def int_pair(text: str) -> tuple[int, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = common.parser(NAME, __doc__)
-    ap.add_argument("--model", default=os.environ.get(sc.MODEL_ENV), help=f"the converted SmolLM2 dir "
-                                                                           f"(${sc.MODEL_ENV})")
-    ap.add_argument("--data", type=Path, default=sc.text_data_dir(),
-                    help=f"the text folder for --dataset text (default: ${sc.TEXT_DATA_ENV}, .gpukit/w2/data or "
-                         f"../shared/data)")
+    sc.add_model_and_data(ap, f"the text folder for --dataset text (default: ${sc.TEXT_DATA_ENV}, .gpukit/w2/data "
+                                 f"or ../shared/data)")
     ap.add_argument("--kv", default="tq4,tq3,bf16", help=f"KV caches, comma-separated, of {sorted(KV)}")
     ap.add_argument("--quick", action="store_true",
                     help=f"{QUICK['requests']} requests, answers of {QUICK['answer_words']} words, a "
@@ -123,10 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the summary to merge rows into (default: benchmarks/results/serving/soak.json)")
     ap.add_argument("--logs", type=Path, help="servers' and benchmarks' logs (default: a temporary folder)")
     args = ap.parse_args(argv)
-    preset = QUICK if args.quick else FULL
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    sc.apply_scale(args, QUICK, FULL)
     args.kv_list = [k.strip() for k in args.kv.split(",") if k.strip()]
     bad = [k for k in args.kv_list if k not in KV]
     if bad or not args.kv_list:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 import tempfile
@@ -93,11 +92,8 @@ QUICK = dict(repetitive=100, plain=100, max_tokens=64, single=4)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = common.parser(NAME, __doc__)
-    ap.add_argument("--model", default=os.environ.get(sc.MODEL_ENV), help=f"the converted SmolLM2 dir "
-                                                                           f"(${sc.MODEL_ENV})")
-    ap.add_argument("--data", type=Path, default=sc.text_data_dir(),
-                    help=f"the text folder (wikitext2-test.txt, paul_graham_essays/, books/); default: "
-                         f"${sc.TEXT_DATA_ENV}, .gpukit/w2/data or ../shared/data")
+    sc.add_model_and_data(ap, f"the text folder (wikitext2-test.txt, paul_graham_essays/, books/); default: "
+                                 f"${sc.TEXT_DATA_ENV}, .gpukit/w2/data or ../shared/data")
     ap.add_argument("--kv", default="tq4,tq3", help=f"KV caches, comma-separated, of {sorted(KV)}")
     ap.add_argument("--methods", default="auto",
                     help=f"speculative methods, comma-separated, of {list(METHODS)}; auto: ngram where numba (its "
@@ -139,10 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.child:
         return args
-    preset = QUICK if args.quick else FULL
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    sc.apply_scale(args, QUICK, FULL)
     args.fast_graphs = args.fast_graphs or args.quick
     args.kv_list = [k.strip() for k in args.kv.split(",") if k.strip()]
     args.method_list = [auto_method() if m.strip() == "auto" else m.strip() for m in args.methods.split(",")
