@@ -17,8 +17,8 @@ from ..core.layout import MAX_HEAD_DIM, MIN_HEAD_DIM, cache_layout
 from ..core.presets import DEFAULT_PRESET, get_preset
 from . import compat
 from .compat import AttentionBackend, MultipleOf
-from .impl import KERNEL_BLOCK_MULTIPLE, WAY_OUT, TurboQuantAttentionImpl
-from .kv_spec import config_problems
+from .impl import WAY_OUT, TurboQuantAttentionImpl
+from .kv_spec import KERNEL_BLOCK_MULTIPLE, config_problems, turboquant_spec
 from .metadata import TurboQuantMetadataBuilder
 from .requirements import MIN_COMPUTE_CAPABILITY
 from .settings import engine_settings, num_model_layers
@@ -98,37 +98,32 @@ class TurboQuantAttentionBackend(AttentionBackend):
         return TurboQuantMetadataBuilder
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
         # Multiples only: the kernel block is then always vLLM's block, never a split of it
         # (a split page would not be laid out as a page of the smaller size).
         return [MultipleOf(KERNEL_BLOCK_MULTIPLE)]
 
     @staticmethod
     def for_preset(name: str) -> type[TurboQuantAttentionBackend]:
-        """This backend for the layers of one preset: vLLM reshapes each layer's cache with its layer's backend."""
+        """This backend for the layers of one preset: the runners take a layer's spec and builder from its backend."""
         return _preset_backend(name)
 
     @classmethod
-    def get_kv_cache_shape(
-        cls,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        cache_dtype_str: str = "auto",
-    ) -> tuple[int, ...]:
-        # cache_dtype_str is "auto" for our specs: the layout comes from the preset of the layers this class serves.
-        if cls.preset_name is None:
-            raise ValueError(
-                f"{cls.__name__} has no KV-cache shape of its own: a layer's cache is shaped by the backend of its "
-                f"preset, {cls.__name__}.for_preset(name), which kv_spec.bind_layer_presets gives each layer"
-            )
-        if block_size % KERNEL_BLOCK_MULTIPLE:
-            raise ValueError(f"TurboQuant block size must be a multiple of {KERNEL_BLOCK_MULTIPLE}, got {block_size}")
-        return cache_layout(get_preset(cls.preset_name), head_size, num_kv_heads, block_size).cache_shape(num_blocks)
+    def customize_spec(cls, spec: Any) -> Any:
+        """The layer's spec over compressed pages of this class's preset (kv_spec.turboquant_spec); on the unbound
+        class, of the engine's preset (vLLM may ask before the model is built, e.g. to align page sizes)."""
+        if cls.preset_name:
+            return turboquant_spec(spec, get_preset(cls.preset_name))
+        return turboquant_spec(spec, engine_settings(compat.current_vllm_config()).preset)
 
-    # get_kv_cache_stride_order stays unimplemented: the physical layout is the logical shape,
-    # blocks first, and nothing is permuted.
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[Any, ...]:
+        # The kernels read one (block, KV head) page as contiguous bytes: H, N, C innermost, blocks at any stride.
+        return compat.BLOCK_CONTIGUOUS_LAYOUTS
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:

@@ -1,14 +1,9 @@
-"""Everything that depends on vLLM's internal API, for the tested range vLLM >=0.25,<0.26.
-
-What is version-specific, and why it lives here:
+"""Everything that depends on vLLM's internal API, for the tested range vLLM >=0.33,<0.34.
 
 - The version gate (requirements.check_vllm_version). Importing this module outside the tested range raises
   ``UnsupportedVLLMVersion`` naming the range; ``TURBOQUANT_ALLOW_UNSUPPORTED_VLLM=1`` turns it into a warning.
 - The base classes and helpers the backend builds on (re-exported below).
-- How the KV cache gets smaller: see kv_spec (it wraps vLLM 0.25's ``Attention.get_kv_cache_spec``).
-- ``cache_dtype_str``: the 0.25 V1 runner passes ``"auto"`` to ``get_kv_cache_shape`` for specs whose
-  ``kv_quant_mode`` is NONE (ours), the V2 runner does too; the backend therefore sizes pages from
-  the preset it resolved itself, not from that string.
+- How the KV cache gets smaller: the backend's ``customize_spec`` (see kv_spec).
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from .requirements import (
 VLLM_VERSION = check_vllm_version()
 
 # ---------------------------------------------------------------------------------------------
-# vLLM 0.25 API surface the backend builds on.
+# vLLM 0.33 API surface the backend builds on.
 # ---------------------------------------------------------------------------------------------
 from vllm.config import get_current_vllm_config_or_none  # noqa: E402
 from vllm.v1.attention.backend import (  # noqa: E402
@@ -42,12 +37,17 @@ from vllm.v1.attention.backend import (  # noqa: E402
     AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
+    max_decode_query_len,
 )
 from vllm.v1.attention.backends.utils import (  # noqa: E402
     get_num_attention_heads_from_layers,
     split_decodes_and_prefills,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, replace_as  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+# Layouts that keep each (block, KV head) page contiguous, blocks at any stride.
+BLOCK_CONTIGUOUS_LAYOUTS = tuple(layout for layout in KVCacheLayout if layout.is_block_contiguous)
 
 __all__ = [
     "ALLOW_UNSUPPORTED_ENV",
@@ -59,10 +59,13 @@ __all__ = [
     "AttentionMetadata",
     "AttentionMetadataBuilder",
     "AttentionType",
+    "BLOCK_CONTIGUOUS_LAYOUTS",
     "CommonAttentionMetadata",
     "MultipleOf",
+    "max_decode_query_len",
     "FullAttentionSpec",
     "SlidingWindowSpec",
+    "replace_as",
     "UnsupportedVLLMVersion",
     "check_vllm_version",
     "installed_vllm_version",

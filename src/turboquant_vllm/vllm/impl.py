@@ -31,7 +31,7 @@ from ..ops.constants import kernel_constants
 from ..ops.utils import check_cache
 from . import compat
 from .compat import AttentionImpl, AttentionType
-from .kv_spec import bind_layer_presets, install_kv_cache_spec_hook
+from .kv_spec import KERNEL_BLOCK_MULTIPLE, bind_layer_presets
 from .metadata import TurboQuantMetadata, decode_query_len, reserve_workspace
 from .settings import (
     CALIBRATION_CONFIG_KEY,
@@ -47,8 +47,17 @@ from .settings import (
     read_calibration,
 )
 
-KERNEL_BLOCK_MULTIPLE = 16  # vLLM block sizes we accept: multiples of 16 (CacheLayout needs 4)
 WAY_OUT = "serve this model with another --attention-backend"
+
+
+def pages_of(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's view of a layer's cache, (blocks, kv_heads, block_size, bytes a token), as the kernels' pages
+    (blocks, kv_heads, head_page_bytes). A view, never a copy (a copy would take the stores): the backend's
+    supported_kv_cache_layouts keep each (block, head) page contiguous, blocks at any stride."""
+    if kv_cache.dim() != 4:
+        return kv_cache
+    blocks, heads, tokens, width = kv_cache.shape
+    return kv_cache.view(blocks, heads, tokens * width)
 
 
 def store_rotated_queries(num_decode_tokens: int, num_prefill_tokens: int, *, dense_prefill: bool,
@@ -128,7 +137,6 @@ class TurboQuantAttentionImpl(AttentionImpl[TurboQuantMetadata]):
             layer_presets.check(head_size, num_model_layers(vllm_config))
         elif first_time("preset", self.preset.name, head_size):
             logger.info("%s", describe_preset(self.preset, head_size))
-        install_kv_cache_spec_hook()
         # Reserved here, during model construction, so vLLM's memory profile counts the scratch
         # before it sizes the KV cache, for any preset this layer may get; every later layer finds it big enough.
         for preset in self.settings.turboquant_presets():
@@ -197,7 +205,7 @@ class TurboQuantAttentionImpl(AttentionImpl[TurboQuantMetadata]):
         return key_statistics.setdefault(self.layer_name, KeyStatistics(self.num_kv_heads, self.head_size))
 
     def _cache_layout(self, kv_cache: torch.Tensor) -> CacheLayout:
-        """The layout of the bound cache, derived and checked once per cache shape (vLLM binds one per layer)."""
+        """The layout of the bound pages, derived and checked once per cache shape (vLLM binds one per layer)."""
         if self._bound is None or self._bound[0] != kv_cache.shape:
             layout = layout_of_cache(self.preset, self.head_size, tuple(kv_cache.shape))
             check_cache(kv_cache, layout)
@@ -239,6 +247,7 @@ class TurboQuantAttentionImpl(AttentionImpl[TurboQuantMetadata]):
         if attn_metadata is None:  # memory-profiling run: no cache, no metadata
             return output.fill_(0)
         md = attn_metadata
+        kv_cache = pages_of(kv_cache)
         layout = self._cache_layout(kv_cache)  # every launch below skips re-checking the cache
         rotated = self._store(query, key, value, kv_cache, layout, md)
         if self.collect_statistics:

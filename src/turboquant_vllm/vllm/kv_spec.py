@@ -1,28 +1,25 @@
 """KV-cache specs whose page is the compressed page, per-layer presets, and the configurations TurboQuant refuses.
 
-vLLM 0.25 sizes a layer's pages from the layer's KV-cache spec (``Attention.get_kv_cache_spec``), never from the
-backend. install_kv_cache_spec_hook wraps that method: for layers whose backend is ours it returns
-``TurboQuantFullAttentionSpec`` / ``TurboQuantSlidingWindowSpec``, whose ``page_size_bytes`` is the compressed page
-(``CacheLayout.page_bytes``) of the layer's preset, with ``dtype=torch.uint8`` so that the runners'
-``raw_int8.view(spec.dtype).view(shape)`` gives the byte tensor ``get_kv_cache_shape`` describes. Both subclasses
-resolve to vLLM's full-attention / sliding-window managers through the spec registry's MRO walk, so nothing needs
-registering. Other backends' layers are untouched.
+vLLM 0.33 lets the backend shape a layer's KV-cache spec (``AttentionBackend.customize_spec``, which both runners
+apply to every attention layer's spec). Ours (backend.py) turns the spec vLLM built into
+``TurboQuantFullAttentionSpec`` / ``TurboQuantSlidingWindowSpec`` (turboquant_spec): uint8 storage of
+``state_content_bytes`` = the preset's bytes per token per KV head, so a page is ``CacheLayout.page_bytes`` and the
+runner's per-layer view ``[blocks, kv_heads, block_size, bytes]`` is the layout's ``(blocks, kv_heads,
+head_page_bytes)`` once its last two dimensions are merged. Both subclasses resolve to vLLM's full-attention /
+sliding-window managers through the spec registry's MRO walk, so nothing needs registering.
 
 Per-layer presets (settings.LayerPresets; bind_layer_presets gives each layer its own once the model is built):
-- Memory is exact. Layers of different presets have different specs, whose merge fails, so vLLM's
-  ``kv_cache_utils.get_kv_cache_groups`` finds the specs not uniform and, all being full attention (or all sliding
-  window of one size), puts every layer in one group of per-layer specs, ``UniformTypeKVCacheSpecs``: one block table,
-  and a block costs the sum of the layers' pages. ``get_kv_cache_config_from_groups`` then makes
-  ``num_blocks = available_memory // sum(pages)`` and gives each layer its own tensor of ``num_blocks`` x its page:
-  no layer is padded to another's page. The runners split the group into attention groups by (backend, per-layer
-  spec), so each gets a metadata builder over its own spec and reshapes its tensor with its own backend.
+- Memory is exact. Layers of different presets have different specs, whose merge fails, so vLLM finds the specs not
+  uniform and, all being full attention (or all sliding window of one size), puts every layer in one group of
+  per-layer specs, ``UniformTypeKVCacheSpecs``: one block table, and a block costs the sum of the layers' pages; each
+  layer gets its own tensor of its own page. The runners split the group into attention groups by (backend,
+  per-layer spec), so each gets a metadata builder over its own spec and its own backend.
 - bf16 layers become vLLM FlashAttention layers (its metadata builder, impl, kernels, cache layout and vLLM's own
   KV-cache spec, in the model's dtype): one group may mix backends, so those layers run what --attention-backend
-  FLASH_ATTN runs, with nothing of ours to keep in step (no second paged layout, store or attention path, no key
-  calibration, nothing to warm up: vLLM's FlashAttention is compiled ahead of time). One change: they store the
-  step's keys/values inside forward, as our layers do (flash_attention_backend).
-- A model mixing sliding-window and full attention layers keeps them in separate groups of one page size under
-  vLLM's hybrid manager; different presets there need --disable-hybrid-kv-cache-manager (refused otherwise).
+  FLASH_ATTN runs, with nothing of ours to keep in step. One change: they store the step's keys/values inside
+  forward, as our layers do (flash_attention_backend).
+- A model mixing sliding-window and full attention layers keeps them in separate groups under vLLM's hybrid
+  manager; different presets there need --disable-hybrid-kv-cache-manager (refused otherwise).
 """
 
 from __future__ import annotations
@@ -39,6 +36,8 @@ from . import compat
 from .compat import FullAttentionSpec, SlidingWindowSpec
 from .settings import BF16, LAYER_PRESETS_ENV, LayerPresets, describe_layer_presets, logger
 
+KERNEL_BLOCK_MULTIPLE = 16  # vLLM block sizes we accept: multiples of 16 (CacheLayout needs 4)
+
 
 class _TurboQuantPage:
     """Page arithmetic shared by the two specs: one block = num_kv_heads x CacheLayout.head_page_bytes."""
@@ -48,13 +47,15 @@ class _TurboQuantPage:
     num_kv_heads: int
     block_size: int
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.turboquant_preset and self.state_content_bytes is None:  # the page follows from the preset alone
+            object.__setattr__(self, "state_content_bytes",
+                               get_preset(self.turboquant_preset).bytes_per_token_per_head(self.head_size))
+
     @property
     def layout(self) -> CacheLayout:
         return cache_layout(get_preset(self.turboquant_preset), self.head_size, self.num_kv_heads, self.block_size)
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        return self.layout.page_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,25 +127,23 @@ def config_problems(vllm_config: Any | None) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The hook: Attention.get_kv_cache_spec returns the compressed spec for our layers.
+# The spec: what vLLM built for a layer, over compressed pages (backend.customize_spec).
 # ---------------------------------------------------------------------------------------------
 def is_turboquant_backend(backend: Any) -> bool:
     return bool(getattr(backend, "turboquant_backend", False))
 
 
-def turboquant_kv_cache_spec(layer: Any, vllm_config: Any, spec: Any, preset: Preset) -> Any:
-    """Translate the spec vLLM chose for ``layer`` into the same spec over compressed pages of ``preset``."""
-    if spec is None:  # encoder-only layers keep no KV cache
-        return None
-    name = getattr(layer, "layer_name", "?")
-    where = f"TurboQuant (--attention-backend CUSTOM), layer {name}"
+def turboquant_spec(spec: Any, preset: Preset) -> Any:
+    """The spec vLLM built for a layer, over compressed pages of ``preset``."""
+    if isinstance(spec, TURBOQUANT_SPECS):
+        return spec
+    where = "TurboQuant (--attention-backend CUSTOM)"
     if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
         raise ValueError(
-            f"{where}: this attention variant ({type(layer).__name__}, KV-cache spec {type(spec).__name__}) is not "
-            "supported; only full and sliding-window decoder attention are. Serve this model with another "
-            "--attention-backend"
+            f"{where}: this attention variant (KV-cache spec {type(spec).__name__}) is not supported; only full and "
+            "sliding-window decoder attention are. Serve this model with another --attention-backend"
         )
-    problems = config_problems(vllm_config)
+    problems = config_problems(compat.current_vllm_config())
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
     if spec.head_size_v != spec.head_size:
@@ -152,55 +151,12 @@ def turboquant_kv_cache_spec(layer: Any, vllm_config: Any, spec: Any, preset: Pr
             f"{where}: key head size {spec.head_size} differs from value head size {spec.head_size_v}; only equal "
             "K/V head sizes are supported. Serve this model with another --attention-backend"
         )
-    # Validates head_size / block_size with a message naming the constraint.
-    cache_layout(preset, spec.head_size, spec.num_kv_heads, spec.block_size)
-    common = dict(
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        head_size_v=spec.head_size_v,
-        dtype=torch.uint8,
-        turboquant_preset=preset.name,
-    )
-    if type(spec) is FullAttentionSpec:
-        return TurboQuantFullAttentionSpec(
-            block_size=spec.block_size,
-            sliding_window=spec.sliding_window,
-            attention_chunk_size=spec.attention_chunk_size,
-            non_causal=spec.non_causal,
-            **common,
-        )
-    # Sliding window: same block size as the full-attention layers, so every page has one size.
-    block_size = vllm_config.cache_config.block_size
-    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-        # vLLM would turn a SlidingWindowSpec into a plain (uncompressed) FullAttentionSpec; give it
-        # the full-attention form of ours instead: the window is computed, its blocks are kept.
-        return TurboQuantFullAttentionSpec(block_size=block_size, sliding_window=spec.sliding_window, **common)
-    return TurboQuantSlidingWindowSpec(block_size=block_size, sliding_window=spec.sliding_window, **common)
-
-
-def install_kv_cache_spec_hook() -> None:
-    """Wrap Attention.get_kv_cache_spec once per process (idempotent); other backends are untouched."""
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    current = Attention.get_kv_cache_spec
-    if getattr(current, "__turboquant_hook__", False):
-        return
-    original = current
-
-    @functools.wraps(original)
-    def get_kv_cache_spec(self: Any, vllm_config: Any) -> Any:
-        bind_layer_presets(vllm_config)  # done at weight loading already; binds a layer that skipped it
-        spec = original(self, vllm_config)
-        if getattr(self, "turboquant_bf16", False) and isinstance(spec, SlidingWindowSpec):
-            # vLLM gives a sliding-window layer the smallest kernel block; one group needs one block size.
-            return dataclasses.replace(spec, block_size=vllm_config.cache_config.block_size)
-        if not is_turboquant_backend(getattr(self, "attn_backend", None)):
-            return spec  # another backend's layer, or a bf16 layer (now vLLM's FlashAttention)
-        return turboquant_kv_cache_spec(self, vllm_config, spec, self.impl.preset)
-
-    get_kv_cache_spec.__turboquant_hook__ = True  # type: ignore[attr-defined]
-    get_kv_cache_spec.__turboquant_original__ = original  # type: ignore[attr-defined]
-    Attention.get_kv_cache_spec = get_kv_cache_spec  # type: ignore[method-assign]
+    # Validates the head size with a message naming the constraint. Not the block size: vLLM sizes a sliding-window
+    # layer's blocks from a one-token spec; the backend's kernel block sizes keep the real ones multiples of 16.
+    layout = cache_layout(preset, spec.head_size, spec.num_kv_heads, KERNEL_BLOCK_MULTIPLE)
+    target = TurboQuantFullAttentionSpec if type(spec) is FullAttentionSpec else TurboQuantSlidingWindowSpec
+    return compat.replace_as(spec, target, dtype=torch.uint8, state_content_bytes=layout.bytes_per_token_per_head,
+                             turboquant_preset=preset.name)
 
 
 def check_builder_spec(spec: Any, layer_names: list[str]) -> None:
@@ -223,8 +179,8 @@ def bind_layer_presets(vllm_config: Any) -> None:
 
     vLLM builds an impl without its layer's name, hence its index; the impl's process_weights_after_loading (the
     model is built, the KV cache not yet sized) calls this for all layers at once, and logs the per-layer line.
-    - A TurboQuant preset: the impl takes its layout, the layer our backend's subclass for that preset (the runners
-      ask a layer's backend for its cache shape, giving it no spec).
+    - A TurboQuant preset: the impl takes its layout, the layer our backend's subclass for that preset, whose
+      customize_spec gives the layer's spec that preset's pages.
     - bf16: the layer becomes a vLLM FlashAttention layer (module docstring).
     """
     from vllm.model_executor.layers.attention.attention import Attention
@@ -325,7 +281,7 @@ def flash_attention_backend() -> type:
 
 def _use_flash_attention(layer: Any, vllm_config: Any) -> None:
     """Make a bf16 layer a vLLM FlashAttention layer: backend, impl (built from our impl's arguments, which passed
-    our checks) and, through the spec hook, vLLM's own KV-cache spec."""
+    our checks) and, through its backend, vLLM's own KV-cache spec."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -342,4 +298,3 @@ def _use_flash_attention(layer: Any, vllm_config: Any) -> None:
         )
     ours.served_by = flash
     layer.impl, layer.attn_backend, layer.backend = flash, backend, AttentionBackendEnum.FLASH_ATTN
-    layer.turboquant_bf16 = True  # for the spec hook

@@ -63,11 +63,9 @@ def max_workspace_elems(num_q_heads: int, layout: CacheLayout, max_tokens: int, 
 
 def decode_query_len(vllm_config: Any) -> int:
     """The longest query the decode kernel takes a sequence (vLLM's reorder threshold for this backend): 1, or under
-    speculative decoding a verification's 1 + drafted tokens (twice the drafts with parallel drafting, as vLLM counts),
-    up to ops.attention.MAX_DECODE_QUERY_LEN."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    drafts = getattr(spec, "num_speculative_tokens", None) or 0
-    return min(1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * drafts, MAX_DECODE_QUERY_LEN)
+    speculative decoding a verification's, as vLLM counts it (max_decode_query_len), up to
+    ops.attention.MAX_DECODE_QUERY_LEN."""
+    return min(compat.max_decode_query_len(vllm_config), MAX_DECODE_QUERY_LEN)
 
 
 def reserve_workspace(vllm_config: Any, num_q_heads: int, layout: CacheLayout) -> int | None:

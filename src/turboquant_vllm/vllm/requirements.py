@@ -14,9 +14,9 @@ import re
 
 logger = logging.getLogger("vllm.turboquant_vllm")
 
-SUPPORTED_VLLM = ">=0.25,<0.26"
-TESTED_VLLM = "0.25.0"
-_LOWER, _UPPER = (0, 25), (0, 26)
+SUPPORTED_VLLM = ">=0.33,<0.34"
+TESTED_VLLM = "0.33.0"
+_LOWER, _UPPER = (0, 33), (0, 34)
 ALLOW_UNSUPPORTED_ENV = "TURBOQUANT_ALLOW_UNSUPPORTED_VLLM"
 MIN_COMPUTE_CAPABILITY = 80  # bf16 tl.dot: Ampere (8.0) or newer
 
