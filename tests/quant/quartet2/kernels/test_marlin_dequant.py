@@ -74,3 +74,14 @@ def test_the_threshold_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(marlin.DENSE_ENV, "lots")
     with pytest.raises(ValueError, match="token count"):
         marlin.dense_threshold()
+
+
+def test_prepare_leaves_the_nvfp4_weight_as_it_is(marlin_layout_on_cpu):
+    """vLLM writes a repacked tensor into the parameter it replaces where shape and dtype agree: 128 x 2048 has
+    scales of Marlin's scales' shape, and the global scale always agrees. The caller's weight stays as it was."""
+    w = weight(128, 2048, 5, "small scales")
+    before = [t.clone() for t in w]
+    m = marlin.prepare(w, torch.bfloat16)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b) for a, b in zip(w, before))
+    assert m.weight_scale.shape == w.scales.shape and m.dense_alpha == float(w.tensor_scale) / 2 ** 6

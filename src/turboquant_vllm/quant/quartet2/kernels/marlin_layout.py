@@ -1,4 +1,4 @@
-"""vLLM's Marlin layout of an NVFP4 weight (what prepare_fp4_layer_for_marlin makes, vLLM 0.25), as the marlin path's
+"""vLLM's Marlin layout of an NVFP4 weight (what prepare_fp4_layer_for_marlin makes, vLLM 0.33), as the marlin path's
 own kernels read it (marlin_dequant's decoder, marlin_mma's few-token GEMM):
   codes   int32 (padded_k / 16, 2 padded_n): each 16 (k) x 64 (n) tile of E2M1 codes is 128 consecutive words, tiles
           ordered by n within a row of k-tiles; where code (k, n) lies inside its tile (word, nibble) is a fixed
@@ -96,14 +96,13 @@ def tables(device: torch.device, dtype: torch.dtype) -> MarlinTables:
     from vllm import _custom_ops as ops
 
     def repack(q: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
-        perm = torch.empty(0, dtype=torch.int32, device=device)
-        return ops.gptq_marlin_repack(q.to(device), perm, size_k, size_n, 4).cpu()
+        return ops.gptq_marlin_repack(q.to(device), size_k, size_n, 4).cpu()
 
     word, shift = weight_tables(repack)
     t = MarlinTables(word, shift, scale_columns(vllm_scale_process(dtype)))
     if not all(torch.equal(a.cpu(), b) for a, b in zip(t, tile_layout())):
         raise RuntimeError("this vLLM's Marlin layout is not the one the NVFP4 decoder reads (tile_layout): run with "
-                           "TURBOQUANT_QUARTET2_DENSE_MIN_TOKENS=0 (Marlin for every token count), or vllm 0.25")
+                           "TURBOQUANT_QUARTET2_DENSE_MIN_TOKENS=0 (Marlin for every token count), or vllm 0.33")
     return MarlinTables(*(a.to(device) for a in t))
 
 

@@ -146,14 +146,13 @@ class Quartet2LinearMethod(LinearMethodBase):
                 logger.info("quartet2: GEMMs of few tokens run Marlin: the native few-token kernel is %s", why)
         _keep(layer, marlin_weight=m.weight, marlin_weight_scale=m.weight_scale,
               marlin_global_scale=m.weight_global_scale, marlin_channel_scale=m.channel_scale)
-        layer.marlin_workspace = m.workspace  # scratch, as vLLM's own Marlin layers keep it
         layer.quartet2_marlin_shape = (m.size_n, m.size_k)
         layer.quartet2_marlin_dense = (m.dense_alpha, m.dense_min_tokens, m.mma_max_tokens)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.path == "marlin":
             m = marlin.MarlinNVFP4(layer.marlin_weight, layer.marlin_weight_scale, layer.marlin_global_scale,
-                                   layer.marlin_workspace, layer.marlin_channel_scale, *layer.quartet2_marlin_shape,
+                                   layer.marlin_channel_scale, *layer.quartet2_marlin_shape,
                                    layer.quartet2_dtype, *layer.quartet2_marlin_dense)
             return marlin.marlin_linear(x, m, bias)
         if self.path == "w4a4":

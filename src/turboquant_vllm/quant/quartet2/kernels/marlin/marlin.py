@@ -2,7 +2,7 @@
 in bf16 / fp16; vllm.model_executor.layers.quantization.utils.marlin_utils_fp4).
 
 What vLLM's NVFP4 methods hand to its Marlin helpers (ModelOpt's and compressed-tensors' W4A16 / the Marlin NVFP4
-linear kernel, vLLM 0.25), all of it what an NVFP4Weight already holds:
+linear kernel, vLLM 0.33), all of it what an NVFP4Weight already holds:
     weight               uint8 (N, K / 2): E2M1 codes, element 2i in the low nibble, sign in bit 3 (ours as they are)
     weight_scale         float8_e4m3fn (N, K / 16), row-major (not the blocked / swizzled layout of the FP4 GEMMs)
     weight_global_scale  fp32 scalar, the multiplier (ModelOpt's weight_scale_2 = amax / 2688, not its reciprocal):
@@ -98,7 +98,6 @@ class MarlinNVFP4(NamedTuple):
     weight: torch.Tensor  # int32, repacked (padded) codes
     weight_scale: torch.Tensor  # float8_e4m3fn: the permuted S0E5M3 scale bytes
     weight_global_scale: torch.Tensor  # fp32 scalar, with Marlin's exponent offsets folded in
-    workspace: torch.Tensor
     channel_scale: torch.Tensor | None  # fp32 (N,), or None
     size_n: int
     size_k: int
@@ -119,8 +118,12 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
     stub = torch.nn.Module()
     stub.output_size_per_partition, stub.input_size_per_partition = v.weight.shape[0], 2 * v.weight.shape[1]
     stub.params_dtype = dtype
-    for name in ("weight", "weight_scale", "weight_global_scale"):
-        setattr(stub, name, torch.nn.Parameter(getattr(v, name), requires_grad=False))
+    # vLLM's replace_parameter copies a result into the parameter it replaces where shape and dtype agree (the global
+    # scale, and scales of some shapes): the stub's scales are copies, so w's and v's stay as they are. The codes
+    # change dtype (int32), so theirs is rebound, never written into.
+    stub.weight = torch.nn.Parameter(v.weight, requires_grad=False)
+    for name in ("weight_scale", "weight_global_scale"):
+        setattr(stub, name, torch.nn.Parameter(getattr(v, name).clone(), requires_grad=False))
     stub.bias = None
     marlin_utils_fp4.prepare_fp4_layer_for_marlin(stub)
     lift = scale_lift(v.weight_scale, dtype)
@@ -135,9 +138,8 @@ def prepare(w: NVFP4Weight, dtype: torch.dtype) -> MarlinNVFP4:
         marlin_mma.reserve_workspace(stub.weight_scale.shape[1], k, v.weight.device)
         marlin_mma.zero_flushed_codes(stub.weight.data, stub.weight_scale.data)  # Marlin reads those as zeros anyway
     _register_op()
-    return MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, stub.workspace,
-                       v.channel_scale, n, k, dtype, float(v.weight_global_scale) / lift, dense_min_tokens,
-                       mma_max_tokens)
+    return MarlinNVFP4(stub.weight.data, stub.weight_scale.data, stub.weight_global_scale.data, v.channel_scale, n, k,
+                       dtype, float(v.weight_global_scale) / lift, dense_min_tokens, mma_max_tokens)
 
 
 def mma_enabled() -> bool:
@@ -165,7 +167,7 @@ def marlin_linear(x: torch.Tensor, m: MarlinNVFP4, bias: torch.Tensor | None = N
         raise ValueError(f"this Marlin NVFP4 weight was prepared for {m.dtype} activations, got {x.dtype}")
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.ops.turboquant_vllm.quartet2_marlin_gemm(x2, m.weight, m.weight_scale, m.weight_global_scale,
-                                                        m.workspace, m.size_n, m.size_k, m.dense_alpha,
+                                                        m.size_n, m.size_k, m.dense_alpha,
                                                         m.dense_min_tokens, m.mma_max_tokens
                                                         ).reshape(*x.shape[:-1], m.size_n)
     if m.channel_scale is not None:
@@ -175,7 +177,7 @@ def marlin_linear(x: torch.Tensor, m: MarlinNVFP4, bias: torch.Tensor | None = N
 
 
 def _marlin_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
-                 workspace: torch.Tensor, size_n: int, size_k: int, dense_alpha: float,
+                 size_n: int, size_k: int, dense_alpha: float,
                  dense_min_tokens: int, mma_max_tokens: int) -> torch.Tensor:
     """x (M, K) -> (M, N): up to mma_max_tokens tokens the native few-token kernel, from dense_min_tokens on the
     weight decoded for one cuBLAS call, Marlin between. A custom op, so that torch.compile leaves the choice to each
@@ -187,12 +189,12 @@ def _marlin_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     if dense_min_tokens and x.shape[0] >= dense_min_tokens:
         return marlin_dequant.dense_linear(x, weight, weight_scale, size_n, size_k, dense_alpha)
     return marlin_utils_fp4.apply_fp4_marlin_linear(input=x, weight=weight, weight_scale=weight_scale,
-                                                    weight_global_scale=global_scale, workspace=workspace,
-                                                    size_n=size_n, size_k=size_k)
+                                                    weight_global_scale=global_scale, workspace=None,
+                                                    size_n=size_n, size_k=size_k)  # None: vLLM's shared locks
 
 
 def _marlin_gemm_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor,
-                      workspace: torch.Tensor, size_n: int, size_k: int, dense_alpha: float,
+                      size_n: int, size_k: int, dense_alpha: float,
                       dense_min_tokens: int, mma_max_tokens: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], size_n))
 

@@ -4,7 +4,7 @@ kernel's layout once at load, the activations are quantized per row by our quant
 the same codes the emulation multiplies) on each call. No Blackwell GPU has run it: the CPU tests replace the kernel
 by naive.cutlass_scaled_fp4_mm_reference, a float64 reference of its contract.
 
-The kernel's contract (vLLM 0.25, csrc/quantization/fp4/nvfp4_scaled_mm_*.cu; FlashInfer's mm_fp4 takes the same):
+The kernel's contract (vLLM 0.33, csrc/quantization/fp4/nvfp4_scaled_mm_*.cu; FlashInfer's mm_fp4 takes the same):
     a, b            uint8 (M, K / 2) and (N, K / 2): E2M1 codes, element 2i in the low nibble (ours as they are);
                     K and N multiples of 32
     block_scale_a/b float8_e4m3fn (round_up(M or N, 128), round_up(K / 16, 4)), swizzled in tiles of 128 rows x 4
