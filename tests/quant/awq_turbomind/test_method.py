@@ -230,7 +230,7 @@ def test_awq_checkpoints_are_claimed_only_when_asked(monkeypatch):
 
 
 def test_vllm_resolves_the_method_through_the_override(monkeypatch):
-    """vLLM 0.25's ModelConfig._verify_quantization, on an AWQ checkpoint: custom methods are asked first."""
+    """vLLM 0.33's ModelConfig._verify_quantization, on an AWQ checkpoint: custom methods are asked first."""
     from vllm.config import ModelConfig
 
     from turboquant_vllm.quant import awq_turbomind

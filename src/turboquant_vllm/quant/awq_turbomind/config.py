@@ -118,7 +118,7 @@ class AWQTurboMindConfig(QuantizationConfig):
 
         if isinstance(layer, LinearBase):
             if is_layer_skipped(prefix, self.modules_to_not_convert, self.packed_modules_mapping,
-                                skip_with_substr=True):
+                                match_mode="substring"):
                 return UnquantizedLinearMethod()
             return AWQTurboMindLinearMethod(self.group_size, self.weight_bits)
         if isinstance(layer, RoutedExperts):

@@ -160,7 +160,7 @@ class AWQTurboMindLinearMethod(LinearMethodBase):
 # Each layer's TurboMind state (its C++ object: the converted weight, the fused scales / zeros, kernel dispatch) cannot
 # pass through an op's schema. The op takes the layer's TurboMind-layout qweight, which that object reads, and finds
 # the object by the tensor's address: the schema stays tensors only, and no per-process number is baked into the
-# graph, which vLLM 0.25 caches and loads in later processes (VLLM_USE_AOT_COMPILE, on with torch 2.11): an integer
+# graph, which vLLM 0.33 caches and loads in later processes (VLLM_USE_AOT_COMPILE, on by default): an integer
 # handle counted at loading would there pick another layer if the count differed. A copied weight fails loudly.
 _LINEARS: dict[int, Any] = {}
 
