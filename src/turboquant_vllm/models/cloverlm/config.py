@@ -5,12 +5,12 @@ the checkpoints of checkpoint.py do not carry. Fields as CloverLM's configuratio
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from transformers import PreTrainedConfig
 
 MODEL_TYPE = "cloverlm"
 
 
-class CloverLMConfig(PretrainedConfig):
+class CloverLMConfig(PreTrainedConfig):
     model_type = MODEL_TYPE
 
     def __init__(self, vocab_size: int = 32000, num_blocks: int = 4, heads: int = 6, d_head: int = 128,

@@ -1,4 +1,4 @@
-"""CloverLM as a vLLM 0.25 model (architecture "CloverLMForCausalLM"), computing what reference.py computes.
+"""CloverLM as a vLLM 0.33 model (architecture "CloverLMForCausalLM"), computing what reference.py computes.
 
 The module tree keeps the checkpoint's names (transformer.emb, transformer.blocks.{i}.mhsa, .out_att_norm, .mlp.l1,
 .mlp.l2, .out_mlp_norm, transformer.out_norm, transformer.linear when untied), so quantization configs that name
