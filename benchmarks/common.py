@@ -149,6 +149,53 @@ def print_header(command: str) -> dict:
     return meta
 
 
+# ---- vLLM's own compressed KV caches ------------------------------------------------------------
+
+# vLLM 0.33's compressed caches that run on Hopper (sm_90) with the GPU kit: kv_cache_dtype -> the attention backend
+# to ask for (None: let vLLM pick). On sm_90 vLLM tries FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION,
+# TURBOQUANT in turn (platforms/cuda.py _get_backend_priorities) and takes the first whose
+# supported_kv_cache_dtypes holds the dtype: TRITON_ATTN for the per-token-head ones, TURBOQUANT for turboquant_*.
+# The turboquant_* are left to that pick: vLLM keeps their first and last two layers in bf16 (engine/arg_utils.py,
+# TurboQuantConfig.get_boundary_skip_layers), which TURBOQUANT cannot run, so forcing it fails on those layers.
+VLLM_KV = {
+    "int4_per_token_head": "TRITON_ATTN",  # Hadamard-rotated int4, fp32 scale with the zero point in its low bits
+    "int8_per_token_head": "TRITON_ATTN",
+    "fp8_per_token_head": "TRITON_ATTN",
+    "turboquant_k8v4": None,
+    "turboquant_4bit_nc": None,
+    "turboquant_k3v4_nc": None,
+    "turboquant_3bit_nc": None,
+}
+# Those that do not run on an H100 / H200 with the GPU kit, and why (one line each in every KV-cache report).
+VLLM_KV_NOT_ON_HOPPER = (
+    ("ultraquant_4bit", ("ROCm only: no CUDA backend list holds ULTRAQUANT (platforms/rocm.py does), its decode is "
+                         "FlyDSL (gfx950) or tl.dot_scaled, and forcing it fails on its bf16 boundary layers")),
+    ("nvfp4", ("FLASHINFER only (its fa2 path on sm_90, not at head_dim 64): needs flashinfer-python, which the GPU "
+               "kit does not carry")),
+    ("nvfp4_4over6", "FLASHINFER's trtllm-gen kernels on sm_100 only (its scale search has no sm_90 writer)"),
+)
+
+
+def not_on_hopper_markdown() -> str:
+    """The report lines for vLLM's compressed caches left out on Hopper."""
+    return "vLLM's compressed KV caches not measured (they do not run on an H100 / H200 with the GPU kit):\n" + "".join(
+        f"- `{name}`: {why}\n" for name, why in VLLM_KV_NOT_ON_HOPPER)
+
+
+def vllm_bytes_per_token_per_head(kv_cache_dtype: str, head_dim: int) -> int:
+    """K+V bytes per token per KV head of one layer in vLLM's compressed cache, from vLLM's own page arithmetic: the
+    backend's customize_spec on a one-token, one-head FullAttentionSpec (as platforms/interface.py sizes pages)."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    backend = AttentionBackendEnum[VLLM_KV[kv_cache_dtype] or "TURBOQUANT"].get_class()  # turboquant_*'s layers
+    spec = FullAttentionSpec(block_size=1, num_kv_heads=1, head_size=head_dim,
+                             dtype=STR_DTYPE_TO_TORCH_DTYPE[kv_cache_dtype],
+                             kv_quant_mode=get_kv_quant_mode(kv_cache_dtype))
+    return backend.customize_spec(spec).page_size_bytes
+
+
 # ---- result paths and files ------------------------------------------------------------------
 
 def result_stem(benchmark: str, what: str, gpu: str | None = None) -> Path:

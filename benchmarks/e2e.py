@@ -118,12 +118,12 @@ def result_paths(model: dict, tp: int = 1, runs: str = RUNS, at_limit: int = 0, 
     return what, what
 
 
-# kv name -> (attention backend, kv_cache_dtype, extra environment)
+# kv name -> (attention backend, None: vLLM's pick; kv_cache_dtype; extra environment). vLLM's compressed caches
+# that run on Hopper are named by their kv_cache_dtype (common.VLLM_KV); the others are a line of the report.
 KV = {
     "bf16": ("FLASH_ATTN", "auto", {}),
     "fp8": ("FLASH_ATTN", "fp8", {}),
-    "turboquant_4bit_nc": (None, "turboquant_4bit_nc", {}),
-    "turboquant_3bit_nc": (None, "turboquant_3bit_nc", {}),
+    **{dtype: (backend, dtype, {}) for dtype, backend in common.VLLM_KV.items()},
     "tq4": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "tq4"}),
     "tq3": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "tq3"}),
     "k4v3": ("CUSTOM", "auto", {"TURBOQUANT_PRESET": "k4v3"}),
@@ -181,7 +181,9 @@ def engine(kv: str, model_dir: str, runs: list[tuple[int, int]], repeats: int, a
     cache = llm.llm_engine.vllm_config.cache_config
     sched = llm.llm_engine.vllm_config.scheduler_config
     # What shapes the steps (and so the decode figure, see NOTES.md): kept with the row.
-    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "tensor_parallel_size": tp,
+    # kv_tokens: vLLM's group-aware capacity (config/cache.py: num_gpu_blocks x block_size can be wrong where a
+    # request spans several KV-cache groups, as the in-tree turboquant's bf16 boundary layers may make)
+    row = {"kv": kv, "kv_tokens": cache.kv_cache_size_tokens, "tensor_parallel_size": tp,
            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
            "max_cudagraph_capture_size": llm.llm_engine.vllm_config.compilation_config.max_cudagraph_capture_size}
     rng = random.Random(0)
@@ -349,7 +351,8 @@ def write(rows: list[dict], stem: Path, runs: str, model: dict = MODEL, provenan
              "(its earlier tokens come from decodes riding along in prefill steps; per-pair figures in the JSON).")
     title = f"{shape_name} shape ({model['architectures'][0]})" if shape_name else "Llama shape"
     common.write_markdown(common.with_ext(stem, ".md"), f"{title} with random weights: {shape}.\n\n"
-                          + "\n".join(lines) + steps + load + f"\n\nMeasured by:\n{measured}\n", provenance)
+                          + "\n".join(lines) + steps + load + f"\n\nMeasured by:\n{measured}\n\n"
+                          + common.not_on_hopper_markdown(), provenance)
     print("\n".join(lines))
     import matplotlib
 

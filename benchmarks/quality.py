@@ -47,14 +47,17 @@ run, each KV cache in its own process (vLLM engines do not tear down cleanly in 
   is 0 by construction (its scores are the reference).
 - bytes_per_token_per_head: K+V bytes per token per KV head, averaged over layers as vLLM allocates the pages (read
   from the worker's KV cache config); bytes_per_token_formula is the same from the definitions: the presets (ours,
-  with --boundary-layers' layers), 2 x head_dim x dtype size (bf16, fp8), or vLLM's TurboQuantConfig slot size with
-  its bf16 boundary layers (the in-tree turboquant_* leave the first and last 2 layers uncompressed).
+  with --boundary-layers' layers), 2 x head_dim x dtype size (bf16, fp8), or vLLM's own page arithmetic for its
+  caches (common.vllm_bytes_per_token_per_head: the backend's customize_spec), with the in-tree turboquant_*'s bf16
+  boundary layers (they leave the first and last 2 layers uncompressed).
 - kv_tokens: the tokens of that cache that fit in the --kv-cache-gib GiB every engine gets (vLLM's
   kv_cache_memory_bytes: sized without profiling the GPU that the other children share, so they start side by side
   and every row's KV tokens compare).
 
-KV caches (--kv, rows named as in the JSON's "kv"): bf16 and fp8 (FLASH_ATTN), vLLM's in-tree --kv-cache-dtype
-turboquant_k8v4 / _4bit_nc / _k3v4_nc / _3bit_nc (their own backend), and ours (the CUSTOM backend):
+KV caches (--kv, rows named as in the JSON's "kv"): bf16 and fp8 (FLASH_ATTN), vLLM's own compressed caches that
+run on Hopper, named by their --kv-cache-dtype (common.VLLM_KV: int4 / int8 / fp8_per_token_head on TRITON_ATTN,
+turboquant_k8v4 / _4bit_nc / _k3v4_nc / _3bit_nc on their own backend; the others are a line of the report), and
+ours (the CUSTOM backend):
 PRESET[-cal][+boundary], PRESET one of core.presets. -cal: with a key calibration (TURBOQUANT_KEY_CALIBRATION):
 --key-calibration FILE (every -cal row) or ROW=FILE,ROW=FILE, else fitted in this run (--calibration-text, by
 turboquant-vllm calibrate's code in a child of its own, tq4's cache, windows of the full context; its statistics
@@ -111,7 +114,7 @@ from . import common
 NAME = "quality"
 
 CALIBRATED, BOUNDARY = "-cal", "+boundary"
-IN_TREE = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+IN_TREE = tuple(common.VLLM_KV)  # vLLM's own compressed caches that run on Hopper, named by their kv_cache_dtype
 LAYER_PRESETS = "turboquant_layer_presets"  # --additional-config key: layer spec -> preset
 
 
@@ -130,7 +133,7 @@ class Cache:
 KV: dict[str, Cache] = {
     "bf16": Cache("FLASH_ATTN"),
     "fp8": Cache("FLASH_ATTN", "fp8"),
-    **{name: Cache(None, name) for name in IN_TREE},
+    **{name: Cache(backend, name) for name, backend in common.VLLM_KV.items()},
     **{f"{p}{cal}{edge}": Cache("CUSTOM", preset=p, calibrated=bool(cal), boundary=bool(edge))
        for p in PRESETS for cal in ("", CALIBRATED) for edge in ("", BOUNDARY)},
 }
@@ -323,12 +326,15 @@ def bytes_formula(kv: str, num_layers: int, head_dim: int, presets_by_layer: dic
     cache = KV[kv]
     if kv in ("bf16", "fp8"):
         return 2 * head_dim * (2 if kv == "bf16" else 1)
-    if cache.preset is None:  # vLLM's in-tree sizing; its boundary layers stay bf16
+    if cache.preset is None:  # vLLM's own page arithmetic
+        slot = common.vllm_bytes_per_token_per_head(kv, head_dim)
+        if not kv.startswith("turboquant_"):
+            return slot
+        # vLLM keeps the in-tree turboquant's boundary layers in bf16 (engine/arg_utils.py create_engine_config)
         from types import SimpleNamespace
 
         from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
 
-        slot = TurboQuantConfig.from_cache_dtype(kv, head_dim).slot_size_aligned
         model = SimpleNamespace(is_hybrid=False, hf_text_config=SimpleNamespace(num_hidden_layers=num_layers))
         skipped = len(TurboQuantConfig.get_boundary_skip_layers(model))
         return (skipped * 4 * head_dim + (num_layers - skipped) * slot) / num_layers
@@ -531,7 +537,7 @@ def evaluate(kv: str, work: Path) -> None:
     t0 = time.perf_counter()
     llm = LLM(**engine_args(kv, inp))
     cache = llm.llm_engine.vllm_config.cache_config
-    row = {"kv": kv, "kv_tokens": cache.num_gpu_blocks * cache.block_size, "kv_cache_gib": inp["kv_cache_gib"],
+    row = {"kv": kv, "kv_tokens": cache.kv_cache_size_tokens, "kv_cache_gib": inp["kv_cache_gib"],
            "seconds_by_step": {}}
     try:  # reads vLLM internals: if that breaks, the formula stands in and the metrics still run
         per_layer = llm.collective_rpc(layer_bytes)[0]
@@ -942,7 +948,7 @@ def markdown(doc: dict) -> str:
                      f"tokens of {', '.join(fit['text'])} in windows of {fit.get('window')}, {fit['preset']}'s cache)."
                      if "error" not in fit else f"the key calibration failed: `{fit['error'].splitlines()[-1]}`")
     notes += [f"{r['kv']} failed: `{r['error'].splitlines()[-1]}`" for r in rows if "error" in r]
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n\n" + common.not_on_hopper_markdown()
 
 
 def _family(kv: str) -> str:

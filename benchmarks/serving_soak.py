@@ -2,7 +2,8 @@
 percentiles and throughput per KV cache, preemption on (GPU; the converted SmolLM2-135M-Instruct).
 
 Each KV cache in turn (--kv, default tq4,tq3,bf16): `vllm serve MODEL --attention-backend CUSTOM` (TURBOQUANT_PRESET
-tq4 / tq3) or `--attention-backend FLASH_ATTN` (bf16), on 127.0.0.1 (serving_common.Server: a process group of its
+tq4 / tq3), `--attention-backend FLASH_ATTN` (bf16) or one of vLLM's compressed caches that run on Hopper
+(--kv-cache-dtype NAME, the row's name; common.VLLM_KV), on 127.0.0.1 (serving_common.Server: a process group of its
 own, killed whole), with a KV cache of --kv-tokens tokens for every one of them (--block-size 16
 --num-gpu-blocks-override N), too few for --concurrency requests at once, so that vLLM preempts; then
 
@@ -51,7 +52,10 @@ from . import common, engine_rows
 from . import serving_common as sc
 
 NAME = "serving_soak"
-KV = {"tq4": ("CUSTOM", "tq4"), "tq3": ("CUSTOM", "tq3"), "bf16": ("FLASH_ATTN", None)}
+# kv -> (attention backend, None: vLLM's pick; our preset; kv_cache_dtype). vLLM's compressed caches that run on Hopper
+# are named by their kv_cache_dtype (common.VLLM_KV), the others a line of the report.
+KV = {"tq4": ("CUSTOM", "tq4", "auto"), "tq3": ("CUSTOM", "tq3", "auto"), "bf16": ("FLASH_ATTN", None, "auto"),
+      **{dtype: (backend, None, dtype) for dtype, backend in common.VLLM_KV.items()}}
 
 BLOCK_SIZE = 16
 
@@ -137,14 +141,22 @@ def kv_blocks(kv_tokens: int, block_size: int = BLOCK_SIZE) -> int:
 
 
 def serve_extra(args: argparse.Namespace) -> tuple[str, ...]:
-    """What every soak server adds to serving_common.serve_command: the same KV-cache size for all."""
+    """What every soak server adds to serving_common.serve_command: the same KV-cache size for all. (vLLM may raise
+    --block-size for the in-tree turboquant_*, whose bf16 boundary layers share the block pool: their row's
+    served_kv_tokens then says what they held.)"""
     return ("--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(kv_blocks(args.kv_tokens)),
             *args.serve_arg)
 
 
+def kv_serve_args(kv: str) -> tuple[str, ...]:
+    """A KV cache's own `vllm serve` arguments beside --attention-backend: its --kv-cache-dtype."""
+    dtype = KV[kv][2]
+    return ("--kv-cache-dtype", dtype) if dtype != "auto" else ()
+
+
 def bench_command(args: argparse.Namespace, kv: str, base_url: str, model: str, dataset: Path | None,
                   result_dir: Path) -> list[str]:
-    """`vllm bench serve` (vLLM 0.25's flags) against base_url, its detailed JSON saved as result_dir/<kv>.json."""
+    """`vllm bench serve` (vLLM 0.33's flags) against base_url, its detailed JSON saved as result_dir/<kv>.json."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
            "--num-prompts", str(args.requests), "--max-concurrency", str(args.concurrency), "--request-rate", "inf",
@@ -191,7 +203,7 @@ def latency(doc: dict, metric: str, p: int) -> float | None:
 
 
 def bench_row(kv: str, doc: dict) -> dict:
-    """The soak row of one `vllm bench serve --save-result` JSON (its keys as vLLM 0.25 writes them)."""
+    """The soak row of one `vllm bench serve --save-result` JSON (its keys as vLLM 0.33 writes them)."""
     requests, completed = doc.get("num_prompts"), doc.get("completed")
     failed = doc.get("failed")
     if failed is None and requests is not None and completed is not None:
@@ -315,8 +327,8 @@ def served_kv_tokens(log_stem: Path) -> int | None:
 
 def start_server(kv: str, args: argparse.Namespace, log_dir: Path):
     """The real server of a KV cache (serving_common.Server), started."""
-    backend, preset = KV[kv]
-    return sc.Server(kv, args.model, backend, preset, log_dir, serve_extra(args)).start()
+    backend, preset, _ = KV[kv]
+    return sc.Server(kv, args.model, backend, preset, log_dir, kv_serve_args(kv) + serve_extra(args)).start()
 
 
 def soak_kv(kv: str, server, args: argparse.Namespace, dataset: Path | None, log_dir: Path,
@@ -367,7 +379,8 @@ def soak_kv(kv: str, server, args: argparse.Namespace, dataset: Path | None, log
                greedy_after_soak=greedy, kv_usage_after=usage_after, idle_after_s=idle_after_s,
                healthy_after=healthy, startup_s=getattr(server, "startup_s", None), error=error,
                bench_command=shlex.join(cmd),
-               serve_command=shlex.join(sc.serve_command(server.model, server.port, KV[kv][0], serve_extra(args))))
+               serve_command=shlex.join(sc.serve_command(server.model, server.port, KV[kv][0],
+                                                         kv_serve_args(kv) + serve_extra(args))))
     row["checks"] = dict(
         zero_failed=row["failed"] == 0 and row.get("completed") == row["requests"],
         preempted=row["preemptions"] > 0,
@@ -414,8 +427,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for r in rows:
         if r.get("serve_command"):
             lines += [f"- {r['kv']}: `{r['serve_command']}`", f"  then `{r['bench_command']}`"]
-    lines += ["", f"Script: `{meta['command']}` (rows of earlier calls keep theirs: soak.json's rows[].command)."]
-    return "\n".join(lines) + "\n"
+    lines += ["", f"Script: `{meta['command']}` (rows of earlier calls keep theirs: soak.json's rows[].command).", "",
+              common.not_on_hopper_markdown()]
+    return "\n".join(lines)
 
 
 def plot(path: Path, rows: list[dict]) -> None:

@@ -64,9 +64,13 @@ TAG = "SPEC_ROW"
 
 READY = "SPEC_ENGINE_READY"
 
-KV = {**{p: ("CUSTOM", p) for p in PRESETS}, "bf16": ("FLASH_ATTN", None), "fp8": ("FLASH_ATTN", None)}
+# kv -> (attention backend, None: vLLM's pick; our preset); vLLM's compressed caches that run on Hopper are named by
+# their kv_cache_dtype (common.VLLM_KV), the others a line of the report
+KV = {**{p: ("CUSTOM", p) for p in PRESETS}, "bf16": ("FLASH_ATTN", None), "fp8": ("FLASH_ATTN", None),
+      **{dtype: (backend, None) for dtype, backend in common.VLLM_KV.items()}}
 
-KV_CACHE_DTYPE = {"fp8": "fp8"}  # vLLM's fp8 e4m3 cache on FLASH_ATTN: its own quantized cache, a second control
+# vLLM's fp8 e4m3 cache on FLASH_ATTN: its own quantized cache, a second control
+KV_CACHE_DTYPE = {"fp8": "fp8", **{dtype: dtype for dtype in common.VLLM_KV}}
 
 CONTROLS = ("bf16", "fp8")
 
@@ -162,7 +166,7 @@ def auto_method() -> str:
 
 
 def speculative_config(method: str, args: argparse.Namespace) -> dict:
-    """--speculative-config of a method (vLLM 0.25's SpeculativeConfig fields)."""
+    """--speculative-config of a method (vLLM 0.33's SpeculativeConfig fields)."""
     if method in ("ngram", "ngram_gpu"):
         return {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
                 "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
@@ -596,7 +600,7 @@ def markdown(entries: list[dict], settings: dict) -> str:
         runs.setdefault((e.get("command"), e.get("commit")), []).append(f"{e['kv']} {e['method']}")
     lines += ["", "Rows by run:", ""]
     lines += [f"- {', '.join(rows)}: `{command}` at commit {commit}" for (command, commit), rows in runs.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + common.not_on_hopper_markdown()
 
 
 def merged_entries(path: Path, entries: list[dict]) -> list[dict]:

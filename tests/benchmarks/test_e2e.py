@@ -34,12 +34,14 @@ def test_write_tables_ratios_and_plot(tmp_path):
     assert [r["kv_tokens_vs_bf16"] for r in data["rows"]] == [1.0, 3.76]
     assert data["rows"][1]["prefill_tok_s"] == 40.0 and data["rows"][0]["decode_tok_s_32x32k"] is None
     assert data["meta"]["runs"] == "64x8192" and data["meta"]["command"] == "python -m benchmarks e2e --heads 32/8"
-    assert data["meta"]["versions"]["torch"] and "commit" in data["meta"] and "gpu" in data["meta"]
+    assert data["meta"]["versions"]["torch"] and data["meta"]["versions"]["triton"] and "commit" in data["meta"]
+    assert "gpu" in data["meta"]
     md = (tmp_path / "h200-llama16l-32q8kv.md").read_text()
     assert md.startswith("<sub>`python -m benchmarks e2e --heads 32/8` at commit ")
     assert "32 q / 8 KV heads" in md and "| tq4 | 3,760 | 3.76x | 120 | 130 | 40 | 2.50 |" in md  # the runs measured
     assert "| decode tok/s 64x8k | decode-only steps 64x8k | prefill tok/s 64x8k |" in md and "32x32k" not in md
     assert "- bf16: `run A`" in md and "- tq4: `run B`" in md  # merged rows name the call that measured them
+    assert "- `nvfp4`: FLASHINFER only" in md  # vLLM's caches that do not run on Hopper: a line each
     assert "Memory-limit load: 1024 tokens generated per request." in md
     assert (tmp_path / "h200-llama16l-32q8kv.png").stat().st_size > 0
 
@@ -127,3 +129,26 @@ def test_every_custom_cache_is_its_preset():
     assert {"tq4", "tq3", "k4v3"} <= set(custom)
     for kv, env in custom.items():
         assert get_preset(env["TURBOQUANT_PRESET"]).name == kv
+
+
+def test_vllm_cache_rows():
+    """vLLM's compressed caches that run on Hopper are rows by their kv_cache_dtype (the per-token-head ones on
+    TRITON_ATTN, the turboquant_* on vLLM's pick); those that do not are a line of the report, never a row."""
+    from benchmarks import common
+
+    assert e2e.KV["int4_per_token_head"] == ("TRITON_ATTN", "int4_per_token_head", {})
+    assert e2e.KV["turboquant_k8v4"] == (None, "turboquant_k8v4", {})
+    assert {kv for kv, (_, dtype, _) in e2e.KV.items() if dtype not in ("auto", "fp8")} == set(common.VLLM_KV)
+    assert not {name for name, _ in common.VLLM_KV_NOT_ON_HOPPER} & set(e2e.KV)
+
+
+def test_vllm_cache_bytes_from_vllm():
+    """vLLM's own page arithmetic, per token per KV head at head_dim 64 / 128 / 256: the per-token-head caches hold
+    K and V plus an fp32 scale each (int4: two codes a byte), turboquant_* their packed K|V slot."""
+    from benchmarks import common
+
+    got = {kv: [common.vllm_bytes_per_token_per_head(kv, d) for d in (64, 128, 256)] for kv in common.VLLM_KV}
+    assert got == {"int4_per_token_head": [72, 136, 264], "int8_per_token_head": [136, 264, 520],
+                   "fp8_per_token_head": [136, 264, 520], "turboquant_k8v4": [100, 196, 388],
+                   "turboquant_4bit_nc": [70, 134, 262], "turboquant_k3v4_nc": [62, 118, 230],
+                   "turboquant_3bit_nc": [54, 102, 198]}

@@ -16,7 +16,7 @@ import pytest
 
 import reference_lm.passkey  # noqa: F401  the needle's texts: a broken import of ours fails, never skips
 import turboquant_vllm.vllm.calibrate  # noqa: F401  what fit_calibration runs
-from benchmarks import quality
+from benchmarks import common, quality
 
 # the converted SmolLM2-135M-Instruct, where `turboquant-vllm model smollm2` (turboquant_vllm.hf) may have made it
 SMOLLM2 = next((p for p in map(Path, ("/tmp/smollm2-135m", "~/.cache/turboquant-vllm/smollm2-135m-instruct"))
@@ -260,12 +260,31 @@ def test_bytes_per_token():
     assert quality.bytes_formula("tq4+boundary", 30, 64, {"0-1": "tq3"}) == pytest.approx((2 * 56 + 28 * 72) / 30)
 
 
-def test_bytes_per_token_of_vllm_turboquant():
-    """vLLM 0.25's slots (K: codes + fp16 norm or fp8; V: codes + fp16 scale and zero), layers 0, 1, 14, 15 in bf16."""
+def test_bytes_per_token_of_vllm_caches():
+    """vLLM 0.33's pages: turboquant_* slots (K: codes + fp16 norm or fp8; V: codes + fp16 scale and zero) with layers
+    0, 1, 14, 15 in bf16; the per-token-head caches (TRITON_ATTN) K and V of head_dim int4 / int8 / fp8 plus one fp32
+    scale each, in every layer."""
     got = {kv: quality.bytes_formula(kv, 16, 128) for kv in quality.IN_TREE}
     slots = {"turboquant_k8v4": 196, "turboquant_4bit_nc": 134, "turboquant_k3v4_nc": 118, "turboquant_3bit_nc": 102}
-    assert got == {kv: (4 * 512 + 12 * s) / 16 for kv, s in slots.items()}
+    assert got == {**{kv: (4 * 512 + 12 * s) / 16 for kv, s in slots.items()},
+                   "int4_per_token_head": 136, "int8_per_token_head": 264, "fp8_per_token_head": 264}
     assert 512 / got["turboquant_4bit_nc"] == pytest.approx(2.24, abs=0.01)  # the kit's measured 2.24x KV tokens
+    assert quality.bytes_formula("int4_per_token_head", 30, 64) == 72  # SmolLM2: tq4's bytes
+
+
+def test_vllm_cache_rows():
+    """vLLM's compressed caches that run on Hopper are rows by their kv_cache_dtype, in the default run; the
+    per-token-head ones ask for TRITON_ATTN, the turboquant_* leave the pick to vLLM (their bf16 boundary layers
+    need FLASH_ATTN); those that do not run are no row but a line of the report."""
+    assert quality.KV["int4_per_token_head"] == quality.Cache("TRITON_ATTN", "int4_per_token_head")
+    assert quality.KV["turboquant_k3v4_nc"] == quality.Cache(None, "turboquant_k3v4_nc")
+    assert set(quality.IN_TREE) <= set(quality.DEFAULT_KV)
+    inp = dict(model="m", context=8192, prefill_chunk=64, kv_cache_gib=1, cuda_graphs=False, layer_presets={})
+    assert quality.engine_args("fp8_per_token_head", inp)["attention_config"] == {"backend": "TRITON_ATTN"}
+    assert quality.engine_args("fp8_per_token_head", inp)["kv_cache_dtype"] == "fp8_per_token_head"
+    assert "attention_config" not in quality.engine_args("turboquant_4bit_nc", inp)
+    for name, _ in common.VLLM_KV_NOT_ON_HOPPER:
+        assert name not in quality.KV
 
 
 def test_pareto_front():
@@ -345,7 +364,7 @@ class FakeLLM:
         FakeLLM.kwargs = kwargs
         self.tok = AutoTokenizer.from_pretrained(kwargs["model"])
         self.logprob = -1.0 if kwargs.get("attention_config") == {"backend": "FLASH_ATTN"} else -1.5
-        cache = SimpleNamespace(num_gpu_blocks=10, block_size=16)
+        cache = SimpleNamespace(kv_cache_size_tokens=160)
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache))
 
     def collective_rpc(self, fn):
@@ -495,6 +514,7 @@ def test_markdown_table():
     assert ("| tq4: PPL ≤ +1% vs bf16 and below turboquant_4bit_nc | PASS | tq4 +0.75%, turboquant_4bit_nc +3.00% |"
             in md)
     assert "| tq3: PPL ≤ +3% vs bf16 and below turboquant_3bit_nc | FAIL |" in md
+    assert "- `ultraquant_4bit`: ROCm only" in md and "- `nvfp4`: FLASHINFER only" in md  # vLLM's caches left out
     assert "LlamaForCausalLM: 30 layers, 9 query / 3 KV heads of dim 64" in md and "context 8192" in md
     assert "KV cache of 12 GiB" in md and "from doyle.txt, wells.txt (no PPL" in md
     assert "fitted in this run (262144 tokens of verne.txt in windows of 8192, tq4's cache)." in md
