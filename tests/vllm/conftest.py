@@ -99,6 +99,35 @@ def make_layers(vllm_config, n, *, num_heads=32, num_kv_heads=8, head_size=128, 
     return layers
 
 
+def runner_specs(vllm_config):
+    """Every attention layer's KV-cache spec as vLLM's runners collect it: the layer's spec through its backend's
+    customize_spec (vllm.v1.worker.utils.customize_attention_spec), under the engine's config."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+
+    with set_current_vllm_config(vllm_config):
+        return get_kv_cache_spec(vllm_config)
+
+
+def layer_cache(layer, vllm_config, num_blocks):
+    """A zeroed cache for one layer as vLLM binds it: [blocks, kv_heads, block_size, state_content_bytes] in its
+    spec's dtype (one layer's view of an LBHNC allocation), from the spec the runners collect for the layer."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    with set_current_vllm_config(vllm_config):
+        spec = customize_attention_spec(layer.get_attn_backend(), layer.get_kv_cache_spec(vllm_config))
+    return torch.zeros(num_blocks, spec.num_heads, spec.num_states, spec.state_content_size_bytes, dtype=spec.dtype)
+
+
+def resolve_layout(vllm_config, backends, specs):
+    """The KV-cache layout the engine core resolves from the workers' backends and specs, recorded on the config."""
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+
+    names = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    return resolve_kv_cache_layout(vllm_config, [names], list(specs))
+
+
 def make_builder(vllm_config, layer_names, kv_heads=8, head_size=128, block_size=BLOCK, preset="tq4"):
     """The metadata builder vLLM makes for one attention group, over our spec."""
     from turboquant_vllm.vllm.kv_spec import TurboQuantFullAttentionSpec

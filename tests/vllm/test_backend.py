@@ -86,8 +86,8 @@ def test_other_kv_cache_dtypes_are_refused(kv_cache_dtype):
 
 
 def test_block_sizes():
-    assert TurboQuantAttentionBackend.get_supported_kernel_block_sizes()[0].base == 16
-    assert isinstance(TurboQuantAttentionBackend.get_supported_kernel_block_sizes()[0], MultipleOf)
+    assert TurboQuantAttentionBackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
+    assert TurboQuantAttentionBackend.get_supported_kernel_block_sizes(None) == [MultipleOf(16)]  # vLLM passes a spec
     for ok in (16, 32, 64, 128, 256, 544):
         assert TurboQuantAttentionBackend.supports_block_size(ok)
     (reason,) = validate(block_size=8)
@@ -137,35 +137,51 @@ def test_cuda_graph_support_covers_uniform_decode_batches():
     assert support.value >= AttentionCGSupport.UNIFORM_BATCH.value
 
 
-def test_kv_cache_shape_is_the_compressed_layout():
-    tq4 = TurboQuantAttentionBackend.for_preset("tq4")
-    shape = tq4.get_kv_cache_shape(1000, 16, 8, 128, cache_dtype_str="auto")
-    assert shape == CacheLayout(get_preset("tq4"), 128, 8, 16).cache_shape(1000) == (1000, 8, 16 * 136)
-    # vLLM finds the block dimension by probing the shape
-    assert tq4.get_kv_cache_block_dim(16, 8, 128) == 0
-    assert tq4.indexes_kv_by_block_stride() is False
-    with pytest.raises(ValueError, match="multiple of 16"):
-        tq4.get_kv_cache_shape(10, 8, 8, 128)
+def test_customize_spec_is_the_compressed_page(vllm_config):
+    """vLLM 0.33 asks the backend for the layer's spec (customize_spec), not for a cache shape: the runner views each
+    layer's cache as [blocks, kv_heads, block_size, state_content_bytes] of the spec's dtype."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    vllm_spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    with set_current_vllm_config(vllm_config):
+        spec = TurboQuantAttentionBackend.for_preset("tq4").customize_spec(vllm_spec)
+    layout = CacheLayout(get_preset("tq4"), 128, 8, 16)
+    assert spec.dtype == torch.uint8 and spec.state_content_bytes == layout.bytes_per_token_per_head == 136
+    assert (spec.num_heads, spec.num_states, spec.state_content_size_bytes) == (8, 16, 136)
+    assert spec.page_size_bytes == layout.page_bytes
+    assert not hasattr(TurboQuantAttentionBackend, "get_kv_cache_shape")
 
 
-def test_only_a_presets_backend_has_a_cache_shape(monkeypatch):
-    """vLLM shapes a layer's cache with its layer's backend, which bind_layer_presets made its preset's."""
+def test_the_unbound_backend_uses_the_engines_preset(vllm_config, monkeypatch):
+    """vLLM may ask before the model is built (the layer's backend is then this class itself): the engine's preset."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
-    with pytest.raises(ValueError, match="no KV-cache shape of its own.*for_preset"):
-        TurboQuantAttentionBackend.get_kv_cache_shape(2, 16, 4, 128)
+    vllm_spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    with set_current_vllm_config(vllm_config):
+        assert TurboQuantAttentionBackend.customize_spec(vllm_spec).turboquant_preset == "tq3"
+        assert TurboQuantAttentionBackend.for_preset("k3v2").customize_spec(vllm_spec).turboquant_preset == "k3v2"
     k3v2 = TurboQuantAttentionBackend.for_preset("k3v2")
     assert k3v2 is TurboQuantAttentionBackend.for_preset("k3v2") and k3v2.__name__ == "TurboQuantAttentionBackend_k3v2"
     assert issubclass(k3v2, TurboQuantAttentionBackend) and k3v2.get_name() == "CUSTOM"
+
+
+def test_layouts_and_sliding_windows():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    # the kernels read a (block, KV head) page as contiguous bytes; blocks at any stride
+    assert TurboQuantAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)
+    assert TurboQuantAttentionBackend.for_preset("tq3").supported_kv_cache_layouts() == (
+        KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)
+    assert TurboQuantAttentionBackend.supports_sliding_window()
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_serves_every_supported_head_size(preset, monkeypatch):
     monkeypatch.setenv("TURBOQUANT_PRESET", preset)
     assert [validate(head_size=d) for d in (32, 64, 96, 128, 256)] == [[]] * 5
-
-
-def test_kv_cache_shape_follows_the_preset():
-    assert TurboQuantAttentionBackend.for_preset("tq3").get_kv_cache_shape(2, 16, 4, 128) == (2, 4, 16 * 104)
 
 
 def fake_config(**parts):

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vllm.conftest import cpu_vllm_config, make_builder, make_cam, make_layers
+from tests.vllm.conftest import cpu_vllm_config, layer_cache, make_builder, make_cam, make_layers
 from turboquant_vllm.core.calibration import KeyCalibration, save_calibration
 from turboquant_vllm.core.layout import layout_of_cache
 from turboquant_vllm.ops import store_kv
 from turboquant_vllm.ops.attention.naive import paged_attention_reference
+from turboquant_vllm.vllm.impl import pages_of
 from turboquant_vllm.vllm.settings import key_statistics, rank_kv_heads
 
 BLOCK = 16
@@ -55,8 +56,8 @@ def test_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatc
     seq_lens = [c + q for c, q in zip(cached, q_lens)]
     blocks_per_seq = [-(-s // BLOCK) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 5
-    kv_cache = torch.zeros(layer.get_attn_backend().get_kv_cache_shape(num_blocks, BLOCK, KV_HEADS, HEAD_DIM),
-                           dtype=torch.uint8)
+    bound = layer_cache(layer, vllm_config, num_blocks)  # what vLLM binds; forward views it as the kernels' pages
+    kv_cache = pages_of(bound)
     perm = torch.randperm(num_blocks, generator=gen)[: sum(blocks_per_seq)].to(torch.int32)
     block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     start = 0
@@ -93,7 +94,7 @@ def test_step_matches_reference(vllm_config, workspace, bf16_default, monkeypatc
     import turboquant_vllm.ops.attention.attention as attention_entry
 
     monkeypatch.setattr(attention_entry, "rotate_queries", None)
-    impl.forward(layer, query, key, value, kv_cache, md, output=output)  # stores this step's keys / values first
+    impl.forward(layer, query, key, value, bound, md, output=output)  # stores this step's keys / values first
 
     expected = paged_attention_reference(
         query[:n_real], kv_cache, layout, block_table, cam.query_start_loc, cam.seq_lens, impl.scale,
@@ -154,7 +155,7 @@ def test_collecting_sums_real_tokens_only(vllm_config, workspace, bf16_default, 
     (layer,) = make_layers(vllm_config, 1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM)
     layer.impl.process_weights_after_loading(torch.bfloat16)
     builder = make_builder(vllm_config, [layer.layer_name], kv_heads=KV_HEADS, head_size=HEAD_DIM)
-    kv_cache = torch.zeros(layer.get_attn_backend().get_kv_cache_shape(4, BLOCK, KV_HEADS, HEAD_DIM), dtype=torch.uint8)
+    kv_cache = layer_cache(layer, vllm_config, 4)
     q, k = torch.randn(12, Q_HEADS, HEAD_DIM), torch.randn(12, KV_HEADS, HEAD_DIM)
     slots = torch.arange(10, dtype=torch.int64)
     slots[4] = -1  # a skipped token
@@ -235,12 +236,12 @@ def test_batch_invariant_rows_equal_whatever_the_step(vllm_config, workspace, bf
     values = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16) for n in lens]
     queries = [torch.randn(n, Q_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16) for n in lens]
     block_table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
-    shape = layer.get_attn_backend().get_kv_cache_shape(6, BLOCK, KV_HEADS, HEAD_DIM)
 
     def step(parts):
         """One forward over fresh pages: parts = [(request, first new position)], the earlier positions stored
         before; returns each part's last row."""
-        kv_cache = torch.zeros(shape, dtype=torch.uint8)
+        bound = layer_cache(layer, vllm_config, 6)
+        kv_cache = pages_of(bound)
         layout = layout_of_cache(impl.preset, HEAD_DIM, tuple(kv_cache.shape))
         slot = lambda r, p: int(block_table[r, p // BLOCK]) * BLOCK + p % BLOCK  # noqa: E731
         for r, first in parts:
@@ -254,7 +255,7 @@ def test_batch_invariant_rows_equal_whatever_the_step(vllm_config, workspace, bf
         md = builder.build(0, cam)
         assert md.batch_invariant and md.decode_num_splits == 1 and md.prefill_cu_seqlens_k is None
         output = torch.full((sum(q_lens), Q_HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
-        impl.forward(layer, take(queries), take(keys), take(values), kv_cache, md, output=output)
+        impl.forward(layer, take(queries), take(keys), take(values), bound, md, output=output)
         assert not output.isnan().any()
         ends = torch.tensor(q_lens).cumsum(0) - 1
         return output[ends]

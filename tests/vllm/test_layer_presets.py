@@ -1,7 +1,8 @@
 """Per-layer presets (TURBOQUANT_LAYER_PRESETS / --additional-config turboquant_layer_presets): parsed and checked;
 each layer bound to its preset once the model is built, bf16 layers becoming vLLM FlashAttention layers; vLLM's own
-KV-cache config code gives every layer exactly its own page; both runners reshape each layer's cache with its own
-backend; a TurboQuant layer attends over its own preset; each preset in use is warmed up."""
+KV-cache planning gives every layer exactly its own page; the runners' allocation gives each layer a view of its own
+page (a TurboQuant layer's, its preset's pages); a TurboQuant layer attends over its own preset; each preset in use
+is warmed up."""
 
 from __future__ import annotations
 
@@ -12,19 +13,25 @@ import torch
 from vllm.config import set_current_vllm_config
 from vllm.utils.math_utils import round_up
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_configs, get_kv_cache_groups
+from vllm.v1.core.kv_cache_planning import (
+    get_global_kv_cache_groups,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_configs,
+    get_kv_cache_groups,
+)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
-from tests.vllm.conftest import FakeVllmConfig, make_cam, make_layers, workspace_bytes
+from tests.vllm.conftest import FakeVllmConfig, layer_cache, make_cam, make_layers, resolve_layout, workspace_bytes
 from tests.vllm.test_backend import validate
 from turboquant_vllm.core.layout import CacheLayout, cache_layout, layout_of_cache
 from turboquant_vllm.core.presets import get_preset
 from turboquant_vllm.ops import store_kv
 from turboquant_vllm.ops.attention import num_sms
 from turboquant_vllm.ops.attention.naive import paged_attention_reference
+from turboquant_vllm.ops.utils import check_cache
 from turboquant_vllm.vllm import compat, impl, kv_spec, settings
 from turboquant_vllm.vllm.backend import TurboQuantAttentionBackend
-from turboquant_vllm.vllm.impl import TurboQuantAttentionImpl
+from turboquant_vllm.vllm.impl import TurboQuantAttentionImpl, pages_of
 from turboquant_vllm.vllm.kv_spec import TurboQuantFullAttentionSpec
 from turboquant_vllm.vllm.metadata import TurboQuantMetadataBuilder, max_workspace_elems
 from turboquant_vllm.vllm.settings import (
@@ -144,7 +151,7 @@ def model(vllm_config, bf16_default, monkeypatch):
     """A model of LAYERS layers (the layers themselves come from build) on a machine where FlashAttention runs."""
     vllm_config.model_config = types.SimpleNamespace(
         dtype=torch.bfloat16, is_mm_prefix_lm=False, use_mla=False, max_model_len=1024, original_max_model_len=1024,
-        get_total_num_hidden_layers=lambda: LAYERS,
+        get_total_num_hidden_layers=lambda: LAYERS, supports_kv_cache_grouping=False,
     )
     monkeypatch.setattr(compat, "flash_attn_varlen", lambda: (None, 2))
     return vllm_config
@@ -163,7 +170,23 @@ def layout_of(preset):
 
 
 def specs_of(layers, vllm_config):
-    return {layer.layer_name: layer.get_kv_cache_spec(vllm_config) for layer in layers}
+    """Each layer's spec as the runners collect it: the layer's, through its backend's customize_spec."""
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    with set_current_vllm_config(vllm_config):
+        return {layer.layer_name: customize_attention_spec(layer.get_attn_backend(),
+                                                           layer.get_kv_cache_spec(vllm_config))
+                for layer in layers}
+
+
+def engine_kv_cache_config(vllm_config, layers, specs, memory):
+    """What the engine core runs on the workers' specs: the layout every layer's backend reads, the groups, the
+    pool (get_kv_cache_configs)."""
+    with set_current_vllm_config(vllm_config):
+        resolve_layout(vllm_config, {layer.get_attn_backend() for layer in layers}, specs.values())
+        groups = get_global_kv_cache_groups(vllm_config, [dict(specs)])
+        (config,) = get_kv_cache_configs(vllm_config, [dict(specs)], [memory], groups)
+    return config
 
 
 def test_each_layer_is_bound_to_its_preset(model, monkeypatch):
@@ -177,17 +200,18 @@ def test_each_layer_is_bound_to_its_preset(model, monkeypatch):
         assert isinstance(layer.impl, FlashAttentionImpl) and issubclass(backend, FlashAttentionBackend)
         assert backend.get_name() == "FLASH_ATTN"
         assert layer.impl.sliding_window == (-1, -1) and layer.impl.scale == HEAD_DIM**-0.5
-        spec = layer.get_kv_cache_spec(model)
+        spec = specs_of([layer], model)[layer.layer_name]
         assert type(spec) is FullAttentionSpec and spec.dtype == torch.bfloat16 and spec.page_size_bytes == BF16_PAGE
     for layer, name in ((layers[1], "k4v3"), (layers[2], "tq4")):
         backend = layer.get_attn_backend()
         assert issubclass(backend, TurboQuantAttentionBackend) and backend.preset_name == name
         assert backend.get_name() == "CUSTOM"
         assert isinstance(layer.impl, TurboQuantAttentionImpl) and layer.impl.layout == layout_of(name)
-        spec = layer.get_kv_cache_spec(model)
+        spec = specs_of([layer], model)[layer.layer_name]
         assert type(spec) is TurboQuantFullAttentionSpec and spec.turboquant_preset == name
         assert spec.page_size_bytes == layout_of(name).page_bytes
-        assert backend.get_kv_cache_shape(10, BLOCK, KV_HEADS, HEAD_DIM) == layout_of(name).cache_shape(10)
+        # the runner's [blocks, heads, block_size, C] view of 10 blocks, merged, is the preset's pages
+        assert (10, spec.num_heads, spec.num_states * spec.state_content_size_bytes) == layout_of(name).cache_shape(10)
     assert layers[1].get_attn_backend().full_cls_name() != layers[2].get_attn_backend().full_cls_name()
     # Every layer stores in forward: Attention.forward traces alike whatever the layer's preset.
     assert all(layer.get_attn_backend().forward_includes_kv_cache_update for layer in layers)
@@ -201,8 +225,10 @@ def test_without_layer_presets_every_layer_takes_the_preset(model, monkeypatch):
     monkeypatch.setenv("TURBOQUANT_PRESET", "tq3")
     layers = build(model)
     assert {layer.get_attn_backend().preset_name for layer in layers} == {"tq3"}
+    specs = specs_of(layers, model)
     with set_current_vllm_config(model):
-        (group,) = get_kv_cache_groups(model, specs_of(layers, model))
+        resolve_layout(model, [TurboQuantAttentionBackend.for_preset("tq3")], specs.values())
+        (group,) = get_kv_cache_groups(model, specs)
     assert type(group.kv_cache_spec) is TurboQuantFullAttentionSpec  # vLLM's uniform path, as before
 
 
@@ -256,17 +282,22 @@ def spec_of(preset, heads=8, head_size=128):
                                        turboquant_preset=preset)
 
 
-def assert_exact(config, specs, memory):
-    """One group of per-layer specs; num_blocks = memory // (sum of the pages); each layer num_blocks x its page."""
+def assert_exact(config, specs, memory, layout):
+    """One group of per-layer specs; num_blocks = memory // (sum of the pages); one allocation in which each layer
+    takes num_blocks x its own page, unpadded."""
     (group,) = config.kv_cache_groups
     assert isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs) and sorted(group.layer_names) == sorted(specs)
     per_block = sum(spec.page_size_bytes for spec in specs.values())
     assert config.num_blocks == memory // per_block
-    assert sorted(name for tensor in config.kv_cache_tensors for name in tensor.shared_by) == sorted(specs)
-    for tensor in config.kv_cache_tensors:
-        (name,) = tensor.shared_by  # a tensor of its own
-        assert tensor.size == config.num_blocks * specs[name].page_size_bytes
-    assert 0 <= memory - sum(tensor.size for tensor in config.kv_cache_tensors) < per_block
+    assert sorted(name for tensor in config.kv_cache_tensors for name in tensor.layers) == sorted(specs)
+    (size,) = {tensor.size for tensor in config.kv_cache_tensors}  # the one backing allocation
+    assert size == config.num_blocks * per_block and 0 <= memory - size < per_block
+    for tensor in config.kv_cache_tensors:  # the layers of one spec
+        (page,) = {specs[name].page_size_bytes for name in tensor.layers}
+        if layout.is_block_outermost:  # a block holds every layer's page
+            assert (tensor.block_stride, tensor.layer_stride) == (per_block, page)
+        else:  # a layer holds its pages of every block
+            assert (tensor.block_stride, tensor.layer_stride) == (page, config.num_blocks * page)
     # padding every layer to the largest page would hold fewer blocks
     largest = max(spec.page_size_bytes for spec in specs.values())
     assert config.num_blocks >= memory // (largest * len(specs))
@@ -276,13 +307,19 @@ def assert_exact(config, specs, memory):
     "presets",
     [["bf16", "tq4", "k4v3", "tq3", "tq4", "k3v2", "tq2", "k5v4", "bf16"], ["tq4", "k4v3", "tq4"], ["bf16", "tq3"]],
 )
-def test_kv_config_of_mixed_presets_is_exact(vllm_config, presets):
+@pytest.mark.parametrize("kv_cache_layout", ["LBHNC", "BLHNC"])
+def test_kv_config_of_mixed_presets_is_exact(vllm_config, monkeypatch, presets, kv_cache_layout):
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", kv_cache_layout)
     specs = {f"model.layers.{i}.self_attn.attn": spec_of(p) for i, p in enumerate(presets)}
     memory = (256 << 20) + 12345
     with set_current_vllm_config(vllm_config):
+        # bf16 layers run vLLM's FlashAttention; the layers of mixed pages need a block-compact layout: ours are
+        layout = resolve_layout(vllm_config, [FlashAttentionBackend, TurboQuantAttentionBackend.for_preset("tq4")],
+                                specs.values())
         groups = get_kv_cache_groups(vllm_config, dict(specs))
         config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
-    assert_exact(config, specs, memory)
+    assert layout.name == kv_cache_layout
+    assert_exact(config, specs, memory, layout)
 
 
 def test_engine_kv_config_of_a_bound_model_is_exact(model, monkeypatch):
@@ -293,9 +330,8 @@ def test_engine_kv_config_of_a_bound_model_is_exact(model, monkeypatch):
     assert [spec.page_size_bytes for spec in specs.values()] == [
         BF16_PAGE, layout_of("k4v3").page_bytes, layout_of("tq4").page_bytes, BF16_PAGE]
     memory = (64 << 20) + 999
-    with set_current_vllm_config(model):
-        (config,) = get_kv_cache_configs(model, [dict(specs)], [memory])
-    assert_exact(config, specs, memory)
+    config = engine_kv_cache_config(model, layers, specs, memory)
+    assert_exact(config, specs, memory, model.cache_config.get_resolved_kv_cache_layout())
 
 
 def attention_groups(layers, specs):
@@ -310,42 +346,40 @@ def attention_groups(layers, specs):
     return list(groups.values())
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_runners_reshape_each_layer_with_its_own_backend(model, monkeypatch, runner):
-    from vllm.v1.worker.gpu import attn_utils
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.utils import prepare_kernel_block_sizes
+@pytest.mark.parametrize("kv_cache_layout", ["LBHNC", "BLHNC"])
+def test_runners_give_each_layer_a_view_of_its_own_pages(model, monkeypatch, kv_cache_layout):
+    """Both runners: allocate_kv_cache's per-layer views (bound after map_kv_caches_to_kernel_blocks); each
+    TurboQuant layer's view, merged by impl.pages_of, is its preset's pages, inside the one allocation."""
+    from vllm.v1.worker.utils import allocate_kv_cache, map_kv_caches_to_kernel_blocks, prepare_kernel_block_sizes
 
     monkeypatch.setenv(LAYER_PRESETS_ENV, MIXED)
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", kv_cache_layout)
     layers = build(model)
     specs = specs_of(layers, model)
+    config = engine_kv_cache_config(model, layers, specs, 8 << 20)
+    layout = model.cache_config.get_resolved_kv_cache_layout()
+    assert layout.name == kv_cache_layout
     with set_current_vllm_config(model):
-        (config,) = get_kv_cache_configs(model, [dict(specs)], [8 << 20])
         groups = attention_groups(layers, config.kv_cache_groups[0].kv_cache_spec.kv_cache_specs)
         assert len(groups) == 3  # FlashAttention (layers 0, 3), k4v3, tq4
         kernel_block_sizes = prepare_kernel_block_sizes(config, [groups])
         assert kernel_block_sizes == [BLOCK]
-        if runner == "v2":
-            raw = attn_utils._allocate_kv_cache(config, {}, torch.device("cpu"))
-            caches = attn_utils._reshape_kv_cache(groups, raw, "auto", kernel_block_sizes, {}, config)
-        else:
-            raw = {}
-            for tensor in config.kv_cache_tensors:  # GPUModelRunner._allocate_kv_cache_tensors
-                raw.update(dict.fromkeys(tensor.shared_by, torch.zeros(tensor.size, dtype=torch.int8)))
-            state = types.SimpleNamespace(  # what _reshape_kv_cache_tensors reads
-                kv_cache_config=config, runner_only_attn_layers=set(), cache_config=model.cache_config,
-                _kv_cache_spec_attn_group_iterator=lambda: iter(groups),
-                _has_mixed_attention_kv_layout=lambda kernel_block_sizes: False,
-            )
-            caches = GPUModelRunner._reshape_kv_cache_tensors(state, raw, kernel_block_sizes)
+        caches = map_kv_caches_to_kernel_blocks(allocate_kv_cache(config, torch.device("cpu"), layout,
+                                                                  kernel_block_sizes), groups)
     n = config.num_blocks
+    per_block = sum(spec.page_size_bytes for spec in specs.values())
+    storage = {cache.untyped_storage().data_ptr() for cache in caches.values()}
+    assert len(storage) == 1 and caches[layers[0].layer_name].untyped_storage().nbytes() == n * per_block
     for layer, preset in zip(layers, ["bf16", "k4v3", "tq4", "bf16"]):
         cache = caches[layer.layer_name]
-        assert cache.untyped_storage().nbytes() == n * specs[layer.layer_name].page_size_bytes
-        if preset == "bf16":  # FlashAttention's own layout: (blocks, K/V, block, heads, head_size)
-            assert cache.dtype == torch.bfloat16 and tuple(cache.shape) == (n, 2, BLOCK, KV_HEADS, HEAD_DIM)
-        else:
-            assert cache.dtype == torch.uint8 and tuple(cache.shape) == layout_of(preset).cache_shape(n)
+        if preset == "bf16":  # FlashAttention's [blocks, heads, block_size, K|V]
+            assert cache.dtype == torch.bfloat16 and tuple(cache.shape) == (n, KV_HEADS, BLOCK, 2 * HEAD_DIM)
+            continue
+        pages = pages_of(cache)
+        assert cache.dtype == torch.uint8 and tuple(pages.shape) == layout_of(preset).cache_shape(n)
+        assert pages.data_ptr() == cache.data_ptr()  # a view: the kernels' stores land in the allocation
+        check_cache(pages, layout_of(preset))
+        assert pages.stride(0) == (per_block if layout.is_block_outermost else layout_of(preset).page_bytes)
 
 
 def test_sliding_window_layers_need_one_kv_cache_group(model, monkeypatch):
@@ -370,9 +404,12 @@ def test_sliding_window_layers_with_the_hybrid_manager_off(model, monkeypatch):
     assert type(specs[layers[1].layer_name]) is SlidingWindowSpec and specs[layers[1].layer_name].block_size == 32
     assert specs[layers[3].layer_name].sliding_window == 8 and specs[layers[3].layer_name].turboquant_preset == "tq4"
     memory = (32 << 20) + 5
-    with set_current_vllm_config(model):
-        (config,) = get_kv_cache_configs(model, [dict(specs)], [memory])
-    assert_exact(config, config.kv_cache_groups[0].kv_cache_spec.kv_cache_specs, memory)
+    config = engine_kv_cache_config(model, layers, specs, memory)
+    kept = config.kv_cache_groups[0].kv_cache_spec.kv_cache_specs
+    assert isinstance(kept[layers[3].layer_name], TurboQuantFullAttentionSpec)  # full attention, compressed pages
+    assert kept[layers[3].layer_name].page_size_bytes == cache_layout(get_preset("tq4"), HEAD_DIM, KV_HEADS,
+                                                                      32).page_bytes
+    assert_exact(config, kept, memory, model.cache_config.get_resolved_kv_cache_layout())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,13 +418,13 @@ def test_sliding_window_layers_with_the_hybrid_manager_off(model, monkeypatch):
 def test_a_turboquant_layer_attends_over_its_own_preset(model, workspace, monkeypatch):
     monkeypatch.setenv(LAYER_PRESETS_ENV, MIXED)
     layer = build(model)[1]
-    spec = layer.get_kv_cache_spec(model)
+    spec = specs_of([layer], model)[layer.layer_name]
     builder = TurboQuantMetadataBuilder(spec, [layer.layer_name], model, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     cached, seq_lens = [20, 37, 5], [21, 38, 6]  # a step of three decodes
     block_table = torch.arange(9, dtype=torch.int32).view(3, 3)
-    kv_cache = torch.zeros(layer.get_attn_backend().get_kv_cache_shape(9, BLOCK, KV_HEADS, HEAD_DIM),
-                           dtype=torch.uint8)
+    bound = layer_cache(layer, model, 9)  # what vLLM binds; forward views it as the layer's preset's pages
+    kv_cache = pages_of(bound)
     layout = layout_of_cache(layer.impl.preset, HEAD_DIM, tuple(kv_cache.shape))
     assert layout == layout_of("k4v3") == builder.layout
 
@@ -403,7 +440,7 @@ def test_a_turboquant_layer_attends_over_its_own_preset(model, workspace, monkey
     query, key, value = rand(3, Q_HEADS), rand(3, KV_HEADS), rand(3, KV_HEADS)
     cam = make_cam([1, 1, 1], seq_lens, block_table=block_table, slot_mapping=step)
     output = torch.full((3, Q_HEADS, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
-    layer.impl.forward(layer, query, key, value, kv_cache, builder.build(0, cam), output=output)
+    layer.impl.forward(layer, query, key, value, bound, builder.build(0, cam), output=output)
     expected = paged_attention_reference(query, kv_cache, layout, block_table, cam.query_start_loc, cam.seq_lens,
                                          layer.impl.scale)
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)

@@ -166,11 +166,15 @@ def test_decode_query_len_follows_vllm_and_the_kernel_limit():
     from turboquant_vllm.ops.attention import MAX_DECODE_QUERY_LEN
     from turboquant_vllm.vllm.metadata import decode_query_len
 
-    spec = lambda k, parallel=False: SimpleNamespace(speculative_config=SimpleNamespace(  # noqa: E731
-        num_speculative_tokens=k, parallel_drafting=parallel))
+    def spec(k, parallel=False, v2=False):
+        return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k, parallel_drafting=parallel),
+                               use_v2_model_runner=v2)
+
     assert decode_query_len(SimpleNamespace(speculative_config=None)) == 1
     assert [decode_query_len(spec(k)) for k in (1, 3, 7)] == [2, 4, 8]
+    # V1's parallel drafter appends a mask slot per draft; V2's verifications are 1 + drafts
     assert decode_query_len(spec(3, parallel=True)) == 7
+    assert decode_query_len(spec(3, parallel=True, v2=True)) == 4
     assert decode_query_len(spec(40)) == MAX_DECODE_QUERY_LEN
 
 

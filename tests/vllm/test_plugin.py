@@ -104,9 +104,14 @@ def test_importing_the_backend_touches_no_cuda(tmp_path):
         import turboquant_vllm.vllm as plugin
         plugin.register()
         backend = plugin.TurboQuantAttentionBackend
-        shape = backend.for_preset("tq4").get_kv_cache_shape(4, 16, 8, 128)
-        print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(), "shape": list(shape)}))
+        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        vllm_spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+            spec = backend.for_preset("tq4").customize_spec(vllm_spec)
+        print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(), "page": spec.page_size_bytes}))
         """,
         tmp_path,
     )
-    assert out == {"cuda_initialized": False, "shape": [4, 8, 16 * 136]}
+    assert out == {"cuda_initialized": False, "page": 8 * 16 * 136}

@@ -11,11 +11,12 @@ from turboquant_vllm.vllm import requirements
 @pytest.mark.parametrize(
     "version, ok",
     [
-        ("0.25.0", True),
-        ("0.25.1", True),
-        ("0.25.2.dev14+g0123abc", True),
-        ("0.24.0", False),
-        ("0.26.0rc1", False),
+        ("0.33.0", True),
+        ("0.33.1", True),
+        ("0.33.2.dev14+g0123abc", True),
+        ("0.25.0", False),
+        ("0.32.0", False),
+        ("0.34.0rc1", False),
         ("0.28.0", False),
         ("1.0.0", False),
         ("not-a-version", False),
@@ -33,7 +34,7 @@ def test_unsupported_version_names_the_range():
     with pytest.raises(requirements.UnsupportedVLLMVersion) as err:
         requirements.check_vllm_version("0.28.0")
     message = str(err.value)
-    assert ">=0.25,<0.26" in message and "0.28.0" in message
+    assert ">=0.33,<0.34" in message and "0.28.0" in message
     assert not isinstance(err.value, ImportError)  # vLLM's selector would swallow an ImportError
 
 
@@ -47,7 +48,7 @@ def test_backend_resolution_refuses_an_unsupported_vllm(monkeypatch):
 
     monkeypatch.setattr(requirements, "installed_vllm_version", lambda: "0.28.0")
     for name in plugin.BACKEND_NAMES:  # what vLLM resolves for CUSTOM, and the older name deployments give
-        with pytest.raises(requirements.UnsupportedVLLMVersion, match=r">=0\.25,<0\.26"):
+        with pytest.raises(requirements.UnsupportedVLLMVersion, match=r">=0\.33,<0\.34"):
             getattr(plugin, name)
 
 
@@ -72,4 +73,4 @@ def test_fresh_process_with_unsupported_vllm(tmp_path):
     )
     assert out["path"] == "turboquant_vllm.vllm.TurboQuantAttentionBackend"
     assert out["error"][0] == "UnsupportedVLLMVersion"
-    assert ">=0.25,<0.26" in out["error"][1] and "0.28.0" in out["error"][1]
+    assert ">=0.33,<0.34" in out["error"][1] and "0.28.0" in out["error"][1]

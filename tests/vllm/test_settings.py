@@ -112,16 +112,16 @@ def test_settings_are_one_immutable_object():
 
 
 def test_an_engine_resolves_its_settings_once(monkeypatch, vllm_config, bf16_default):
-    """The selector, every layer's impl and the spec hook of one engine share one TurboQuantSettings, resolved once;
-    another engine's config resolves its own; nothing outlives the config."""
-    from tests.vllm.conftest import make_layers
+    """The selector, every layer's impl and the backend's customize_spec of one engine share one TurboQuantSettings,
+    resolved once; another engine's config resolves its own; nothing outlives the config."""
+    from tests.vllm.conftest import make_layers, runner_specs
 
     calls = []
     resolve = settings.resolve_settings
     monkeypatch.setattr(settings, "resolve_settings", lambda *a: calls.append(a) or resolve(*a))
     vllm_config.additional_config = {PRESET_CONFIG_KEY: "k4v3"}
     layers = make_layers(vllm_config, 3)
-    specs = [layer.get_kv_cache_spec(vllm_config) for layer in layers]
+    specs = runner_specs(vllm_config).values()  # the unbound backend's customize_spec: the engine's preset
     assert len(calls) == 1
     assert len({id(layer.impl.settings) for layer in layers}) == 1
     assert layers[0].impl.settings is engine_settings(vllm_config) and len(calls) == 1
