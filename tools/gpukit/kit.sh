@@ -1,0 +1,22 @@
+#!/bin/bash
+# Device side of the GPU kit.
+#   bash .gpukit/bin/kit.sh gather   take the carried piece(s), unpack every complete archive into /tmp/site;
+#                                    prints "kit: ready" once torch, triton, vllm and the deps are in
+#   bash .gpukit/bin/kit.sh check    versions, CUDA, a matmul, and the carried requirements (pip check-like)
+# GPUKIT_SITE (default /tmp/site) and GPUKIT_SPOOL (default /tmp/gpukit) move the roots, for a local trial.
+set -euo pipefail
+BIN="$(cd "$(dirname "$0")" && pwd)"
+SITE="${GPUKIT_SITE:-/tmp/site}"
+case "${1:-}" in
+gather)
+  # The image's python, without the kit on its path: kit.py finds the image's nvidia libraries.
+  env -u PYTHONPATH python3 "$BIN/kit.py"
+  mkdir -p "$SITE/bin"
+  printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' >"$SITE/bin/vllm"
+  chmod +x "$SITE/bin/vllm" ;;
+check)
+  # shellcheck source=/dev/null
+  source "$BIN/env.sh"
+  python3 "$BIN/check.py" ;;
+*) echo "usage: $0 gather|check" >&2; exit 2 ;;
+esac
