@@ -111,6 +111,7 @@ def test_sliding_window_layers(vllm_config, bf16_default, monkeypatch, block_siz
     """Attention.get_kv_cache_spec sizes a sliding-window layer's block from its backend's one-token spec, then the
     runners shape the spec it returns: the layer's page is the compressed page of the engine's block size."""
     vllm_config.cache_config.block_size = block_size
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False  # a GPU's default (the CPU platform's is on)
     asked = []
     customize = TurboQuantAttentionBackend.customize_spec.__func__
     monkeypatch.setattr(TurboQuantAttentionBackend, "customize_spec",

@@ -1,9 +1,9 @@
 """The CUSTOM attention backend: paged attention straight over a TurboQuant-compressed KV cache.
 
-The backend class names the pieces, vLLM-style: the KV-cache shape (a uint8 tensor (num_blocks, num_kv_heads,
-head_page_bytes) laid out by core.layout.CacheLayout; its page size reaches vLLM's allocator through the layer's
-KV-cache spec, see kv_spec), the metadata builder (metadata.py) and the impl (impl.py); and it states what it
-supports, so that vLLM refuses everything else at startup with a message naming the constraint and the way out.
+The backend class names the pieces, vLLM-style: the KV-cache spec (customize_spec: uint8 pages of the preset's bytes
+per token, laid out by core.layout.CacheLayout, see kv_spec) and the layouts of vLLM's cache views the kernels read,
+the metadata builder (metadata.py) and the impl (impl.py); and it states what it supports, so that vLLM refuses
+everything else at startup with a message naming the constraint and the way out.
 """
 
 from __future__ import annotations
@@ -73,12 +73,11 @@ class TurboQuantAttentionBackend(AttentionBackend):
     """TurboQuant KV cache, of any preset (settings.TurboQuantSettings: --additional-config or the environment).
 
     vLLM's selector gives every layer this class; once the model is built, kv_spec.bind_layer_presets gives each
-    layer the subclass for its own preset (for_preset), whose get_kv_cache_shape lays out that preset's pages. vLLM
-    asks a layer's cache shape only after that (the runners reshape each layer's cache with its layer's backend), so
-    this class itself has no shape.
+    layer the subclass for its own preset (for_preset), whose customize_spec gives the layer that preset's pages (the
+    runners take each layer's spec from its layer's backend after the model is built).
     """
 
-    turboquant_backend: ClassVar[bool] = True  # how compat's spec hook recognizes our layers
+    turboquant_backend: ClassVar[bool] = True  # how kv_spec recognizes our layers
     preset_name: ClassVar[str | None] = None  # the preset of the layers a for_preset subclass serves
     # forward stores the step's keys/values itself: in a batch of decodes the same launch rotates their queries
     forward_includes_kv_cache_update: bool = True

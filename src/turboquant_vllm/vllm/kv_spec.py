@@ -154,9 +154,15 @@ def turboquant_spec(spec: Any, preset: Preset) -> Any:
     # Validates the head size with a message naming the constraint. Not the block size: vLLM sizes a sliding-window
     # layer's blocks from a one-token spec; the backend's kernel block sizes keep the real ones multiples of 16.
     layout = cache_layout(preset, spec.head_size, spec.num_kv_heads, KERNEL_BLOCK_MULTIPLE)
-    target = TurboQuantFullAttentionSpec if type(spec) is FullAttentionSpec else TurboQuantSlidingWindowSpec
-    return compat.replace_as(spec, target, dtype=torch.uint8, state_content_bytes=layout.bytes_per_token_per_head,
-                             turboquant_preset=preset.name)
+    common = dict(dtype=torch.uint8, state_content_bytes=layout.bytes_per_token_per_head, turboquant_preset=preset.name)
+    if type(spec) is FullAttentionSpec:
+        return compat.replace_as(spec, TurboQuantFullAttentionSpec, **common)
+    config = compat.current_vllm_config()
+    if config is not None and config.scheduler_config.disable_hybrid_kv_cache_manager:
+        # vLLM would turn the window's spec into a plain (uncompressed) FullAttentionSpec; give it the full-attention
+        # form of ours instead: the window is computed, its blocks are kept.
+        return compat.replace_as(spec, TurboQuantFullAttentionSpec, drop=("extra_retained_tokens",), **common)
+    return compat.replace_as(spec, TurboQuantSlidingWindowSpec, **common)
 
 
 def check_builder_spec(spec: Any, layer_names: list[str]) -> None:
