@@ -250,15 +250,15 @@ def test_report_of_the_vllm_run_gives_the_kv_capacity_and_fails_on_nan():
 
 
 @pytest.mark.parametrize("requested, cuda, vllm, want", [
-    ("auto", True, "0.25.0", "gpu"), ("auto", True, None, "cpu"), ("auto", False, "0.25.0", "cpu"),
-    ("cpu", True, "0.25.0", "cpu"), ("gpu", True, "0.25.0", "gpu")])
+    ("auto", True, "0.33.0", "gpu"), ("auto", True, None, "cpu"), ("auto", False, "0.33.0", "cpu"),
+    ("cpu", True, "0.33.0", "cpu"), ("gpu", True, "0.33.0", "gpu")])
 def test_the_device(requested, cuda, vllm, want):
     assert demo.choose_device(requested, cuda, vllm) == want
 
 
 def test_device_gpu_needs_a_gpu_and_vllm():
     with pytest.raises(arguments.UsageError, match="no CUDA GPU"):
-        demo.choose_device("gpu", False, "0.25.0")
+        demo.choose_device("gpu", False, "0.33.0")
     with pytest.raises(arguments.UsageError, match="vLLM, which is not installed"):
         demo.choose_device("gpu", True, None)
 
@@ -351,7 +351,7 @@ def test_bench_without_a_gpu_says_so(capsys):
 def test_serve_and_calibrate_without_vllm_say_what_to_install(command, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vllm fails as if it were not installed
     assert main(command) == 2
-    one_line_error(capsys, "vLLM is not installed", 'pip install "vllm>=0.25,<0.26"', 'pip install ".[vllm]"')
+    one_line_error(capsys, "vLLM is not installed", 'pip install "vllm>=0.33,<0.34"', 'pip install ".[vllm]"')
 
 
 @pytest.fixture
@@ -367,7 +367,7 @@ def gpu(monkeypatch):
     (True, (7, 5), ["serve needs an NVIDIA GPU of compute capability >= 8.0; Tesla T4 has 7.5"]),
 ])
 def test_serve_without_a_usable_gpu_is_one_line(cuda, capability, needles, monkeypatch, capsys):
-    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.33.0")
     monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("vLLM started"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -380,7 +380,7 @@ def test_serve_refuses_an_unsupported_vllm(monkeypatch, capsys):
     monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.24.1")
     monkeypatch.delenv(requirements.ALLOW_UNSUPPORTED_ENV, raising=False)
     assert main(["serve", "org/model"]) == 2
-    one_line_error(capsys, "vLLM 0.24.1 is installed", ">=0.25,<0.26")
+    one_line_error(capsys, "vLLM 0.24.1 is installed", ">=0.33,<0.34")
 
 
 def test_calibrate_checks_paths_before_starting_vllm(tmp_path, capsys):
@@ -408,7 +408,7 @@ def test_hub_ids_and_paths_are_told_apart(model, is_path):
 def serve(monkeypatch, argv: list[str]) -> tuple[list[str], dict, dict]:
     """(the vllm serve command, its --additional-config, its environment) that `turboquant-vllm serve argv` execs."""
     calls = []
-    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.33.0")
     monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: calls.append((cmd, env)))
     main(["serve", *argv])
     (cmd, env), = calls
@@ -458,7 +458,7 @@ def test_serve_merges_the_users_additional_config(monkeypatch, gpu, vllm_args, c
     ({"TURBOQUANT_LAYER_PRESETS": "0=tq9"}, [], ["TURBOQUANT_LAYER_PRESETS: unknown preset 'tq9'"]),
 ])
 def test_serve_refuses_settings_vllm_would_refuse(env, argv, needles, monkeypatch, capsys, gpu):
-    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.33.0")
     monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("vLLM started"))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -515,7 +515,7 @@ def clover_dir(tmp_path):
 
 @pytest.fixture
 def vllm_025(monkeypatch):
-    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.25.0")
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.33.0")
 
 
 def test_cloverlm_offline_generates_for_the_prompts_and_prints_them(clover_dir, vllm_025, monkeypatch, capsys):
@@ -617,7 +617,7 @@ def test_cloverlm_refuses_a_missing_directory_and_says_what_to_install_without_v
     one_line_error(capsys, "nope: no such directory")
     monkeypatch.setitem(sys.modules, "vllm", None)
     assert main(["cloverlm", str(clover_dir), "--api"]) == 2
-    one_line_error(capsys, "vLLM is not installed; cloverlm needs vLLM 0.25", 'pip install "vllm>=0.25,<0.26"')
+    one_line_error(capsys, "vLLM is not installed; cloverlm needs vLLM >=0.33,<0.34", 'pip install "vllm>=0.33,<0.34"')
 
 
 def test_cloverlm_runs_as_a_module(clover_dir):

@@ -54,7 +54,7 @@ def test_engine_arguments_per_method():
         assert "enforce_eager" not in k and "compilation_config" not in k  # vLLM's default: compiled, CUDA graphs
     from vllm.engine.arg_utils import EngineArgs
 
-    assert EngineArgs(**kw["awq_marlin:machete"]).linear_backend == "machete"  # vLLM 0.25 takes the keyword
+    assert EngineArgs(**kw["awq_marlin:machete"]).linear_backend == "machete"  # vLLM takes the keyword
 
 
 def test_result_paths(tmp_path):

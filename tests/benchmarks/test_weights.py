@@ -69,7 +69,7 @@ def test_engine_arguments_and_environment_per_method():
     assert weights.PATH_ENV == paths.PATH_ENV and weights.PATHS == paths.PATHS and weights.OURS == config.NAME
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(**kw["fp8"])  # vLLM 0.25 takes every keyword
+    args = EngineArgs(**kw["fp8"])  # vLLM takes every keyword
     assert (args.load_format, args.quantization) == ("dummy", "fp8")
 
 

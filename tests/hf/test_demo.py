@@ -93,7 +93,7 @@ def fake_engines(calls: list, fail: str | None = None, ppl_ratio: float = 1.0, f
 @pytest.fixture
 def a_gpu_with_vllm(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(requirements, "installed_vllm_version", lambda: "0.25.0")
+    monkeypatch.setattr(requirements, "installed_vllm_version", lambda: "0.33.0")
 
 
 def test_demo_with_vllm_runs_one_engine_each(model_dir, a_gpu_with_vllm, monkeypatch, capsys):
@@ -107,7 +107,7 @@ def test_demo_with_vllm_runs_one_engine_each(model_dir, a_gpu_with_vllm, monkeyp
     assert (flash["backend"], ours["backend"]) == ("FLASH_ATTN", "CUSTOM") and ours_env["TURBOQUANT_PRESET"] == "tq3"
     assert flash["prompts"] == ours["prompts"] == [[1, 3, 10, 2, 1, 4], [1, 3, 5, 6, 2, 1, 4]]
     assert flash["tokens"] == 7 and flash["eos"] == [EOS] and [len(w) for w in flash["windows"]] == [512, 512]
-    assert "engine: vLLM 0.25.0 on NVIDIA H100, bfloat16" in out
+    assert "engine: vLLM 0.33.0 on NVIDIA H100, bfloat16" in out
     assert "vLLM's KV cache holds 356,000 tokens vs 100,000 (3.56x)" in out
     assert "first divergence at token 2; 1 of 2 tokens identical" in out  # the EOS is cut off both answers
     assert "token agreement (2 prompts, 4 tokens): 0.75 until the first divergence, 0.75 overall" in out

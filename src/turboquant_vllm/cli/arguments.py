@@ -188,7 +188,7 @@ def require_gpu(command: str) -> None:
 def require_vllm(command: str) -> None:
     version = installed_vllm_version()
     if version is None:
-        raise UsageError(f"vLLM is not installed; {command} needs vLLM 0.25 ({SUPPORTED_VLLM}): {INSTALL_VLLM}")
+        raise UsageError(f"vLLM is not installed; {command} needs vLLM {SUPPORTED_VLLM}: {INSTALL_VLLM}")
     if not is_supported_vllm(version) and os.environ.get(ALLOW_UNSUPPORTED_ENV) != "1":
         raise UsageError(f"vLLM {version} is installed; turboquant-vllm supports vLLM {SUPPORTED_VLLM}: "
                          f'pip install "vllm{SUPPORTED_VLLM}" ({ALLOW_UNSUPPORTED_ENV}=1 skips this check)')

@@ -42,7 +42,7 @@ def add_parser(sub, preset_names: list[str]) -> None:
                        description="Serve a local CloverLM checkpoint (config.json with architecture "
                        f"{ARCH}, a tokenizer, bf16 or CloverLM NVFP4 weights) with vLLM, CUDA graphs on. Offline "
                        "(default): greedy generations for the --prompt texts, printed. --api: vLLM's OpenAI-compatible "
-                       "server (vllm serve). Needs vLLM 0.25 and an NVIDIA GPU.")
+                       "server (vllm serve). Needs vLLM 0.33 and an NVIDIA GPU.")
     c.add_argument("model", metavar="MODEL_DIR", help="local CloverLM checkpoint directory")
     c.add_argument("--api", action="store_true", help="run vLLM's OpenAI-compatible server instead of generating")
     c.add_argument("--host", help="--api: address to listen on (default 127.0.0.1)")
