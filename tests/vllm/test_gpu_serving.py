@@ -47,7 +47,8 @@ PROMPT_LENS = [17, 60, 130, 300, 520, 777, 1000, 1500]
 GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
 RUNS = {
     "flash": dict(backend="FLASH_ATTN", llm={"compilation_config": GRAPHS}),
-    "tq4": dict(llm={"compilation_config": GRAPHS}, env={"VLLM_USE_V2_MODEL_RUNNER": "0"}),  # V1 (0.33 picks V2 where it can)
+    # the V1 runner (vLLM 0.33 picks V2 where it can)
+    "tq4": dict(llm={"compilation_config": GRAPHS}, env={"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     "tq4_eager": dict(llm={"enforce_eager": True}),
     "tq4_v2": dict(llm={"compilation_config": GRAPHS}, env={"VLLM_USE_V2_MODEL_RUNNER": "1"}),
     "tq4_chunked": dict(llm={"enforce_eager": True, "max_num_batched_tokens": 256, "enable_chunked_prefill": True}),

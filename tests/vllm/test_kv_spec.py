@@ -167,7 +167,8 @@ def test_windows_with_the_hybrid_manager_off_keep_compressed_pages(vllm_config, 
 def test_unsupported_layer_variants_are_refused(vllm_config):
     chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                                         attention_chunk_size=8192)
-    with set_current_vllm_config(vllm_config), pytest.raises(ValueError, match="attention variant.*--attention-backend"):
+    refused = pytest.raises(ValueError, match="attention variant.*--attention-backend")
+    with set_current_vllm_config(vllm_config), refused:
         customize_attention_spec(TurboQuantAttentionBackend, chunked)
     with pytest.raises(ValueError, match="not a TurboQuant spec"):
         kv_spec.check_builder_spec(chunked, ["model.layers.0.self_attn.attn"])
@@ -296,7 +297,8 @@ def test_runner_allocation_views_are_the_kernels_pages(vllm_config, bf16_default
     storage = None
     for i, layer in enumerate(layers):
         view = caches[layer.layer_name]
-        assert view.dtype == torch.uint8 and tuple(view.shape) == (n, KV_HEADS, BLOCK, expected.bytes_per_token_per_head)
+        assert view.dtype == torch.uint8
+        assert tuple(view.shape) == (n, KV_HEADS, BLOCK, expected.bytes_per_token_per_head)
         pages = pages_of(view)
         assert tuple(pages.shape) == expected.cache_shape(n)
         assert pages.data_ptr() == view.data_ptr() and pages.untyped_storage().data_ptr() == view.untyped_storage(
