@@ -153,8 +153,8 @@ def turboquant_spec(spec: Any, preset: Preset) -> Any:
         )
     # Validates the head size with a message naming the constraint. Not the block size: vLLM sizes a sliding-window
     # layer's blocks from a one-token spec; the backend's kernel block sizes keep the real ones multiples of 16.
-    layout = cache_layout(preset, spec.head_size, spec.num_kv_heads, KERNEL_BLOCK_MULTIPLE)
-    common = dict(dtype=torch.uint8, state_content_bytes=layout.bytes_per_token_per_head, turboquant_preset=preset.name)
+    cache_layout(preset, spec.head_size, spec.num_kv_heads, KERNEL_BLOCK_MULTIPLE)
+    common = dict(dtype=torch.uint8, turboquant_preset=preset.name)  # the page's bytes follow (_TurboQuantPage)
     if type(spec) is FullAttentionSpec:
         return compat.replace_as(spec, TurboQuantFullAttentionSpec, **common)
     config = compat.current_vllm_config()
