@@ -31,8 +31,63 @@ def _list_language_builtins_once() -> None:
     interpreter._patch_builtin = patch_builtin
 
 
+def _patch_language_once_per_launch() -> None:
+    """A launch patches triton.language for the interpreter and undoes it when the grid is done; Triton 3.8 patches
+    it again at every call of a @triton.jit helper inside the kernel (per program, never undone: the launch's undoing
+    covers it), a quarter of an interpreted test. A helper called while its modules are already patched runs as is;
+    outside a launch, or seeing a module the launch did not patch, it takes Triton's way."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    cls, tl = getattr(interpreter, "InterpretedFunction", None), interpreter.tl
+    if cls is None or not hasattr(cls, "rewrite") or not hasattr(interpreter, "_patch_lang"):
+        return  # another Triton: leave it as it is
+    triton_call, is_builtin = cls.__call__, tl.core.is_builtin
+    langs: dict = {}
+
+    def call(self, *args, **kwargs):
+        mods = langs.get(self.fn)
+        if mods is None:
+            mods = langs[self.fn] = [v for v in self.fn.__globals__.values()
+                                     if inspect.ismodule(v) and v in (tl, tl.core)]
+        if not mods or any(is_builtin(mod.load) for mod in mods):  # unpatched: tl.load is still the builtin
+            return triton_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    cls.__call__ = call
+
+
+def _memoize_numpy_dtypes() -> None:
+    """The interpreter maps a Triton dtype to numpy's by building a 19-entry dict at each of its many calls (~6% of
+    an interpreted test); the mapping is fixed: remember each answer."""
+    from triton.runtime import interpreter
+
+    tl, triton_np_dtype, known = interpreter.tl, getattr(interpreter, "_get_np_dtype", None), {}
+    if triton_np_dtype is None:
+        return  # another Triton: leave it as it is
+
+    def get_np_dtype(tt_dtype):
+        # a block's numpy dtype is its element's; pointers' Triton answers at once (neither kind hashes)
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(key, tl.pointer_type):
+            return triton_np_dtype(key)
+        np_dtype = known.get(key)
+        if np_dtype is None:
+            np_dtype = known[key] = triton_np_dtype(key)
+        return np_dtype
+
+    interpreter._get_np_dtype = get_np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _list_language_builtins_once()
+    _patch_language_once_per_launch()
+    _memoize_numpy_dtypes()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The whole randomized kernel matrix runs on the GPU; the CPU (interpreter) runs a subset.
