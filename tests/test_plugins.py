@@ -56,66 +56,90 @@ def test_the_quantization_methods_register_with_vllm():
         assert name in QUANTIZATION_METHODS and get_quantization_config(name).__name__.endswith("Config")
 
 
-def test_cloverlm_registers_from_the_entry_point_without_importing_the_model():
-    """The entry point makes CloverLMForCausalLM and model_type "cloverlm" known; the model module (vLLM's layers)
-    is imported only when vLLM resolves the class."""
-    import subprocess
+def test_a_fresh_process_registers_every_plugin_through_vllms_loader_lazily(tmp_path):
+    """vLLM runs the entry point in every process (the API server's too), through its plugin loader. One fresh
+    process checks each plugin's registration (a vLLM import costs ~15 s a process):
+    - the KV-cache backend: CUSTOM resolves to ours (twice loaded: idempotent) without touching CUDA, the backend
+      module, the kernels or vLLM's internals; importing the backend and customizing a spec touch no CUDA either;
+    - CloverLM: CloverLMForCausalLM and model_type "cloverlm" known, the model module (vLLM's layers) imported only
+      when vLLM resolves the class;
+    - the weight methods: registering imports neither vLLM's linear layers nor the methods' layer modules (the
+      torch op, the Triton kernels); `-q awq_turbomind` and `-q quartet2` resolve to their config classes and answer
+      override_quantization_method without them; building a config or a layer imports them, the awq_turbomind op
+      registered as the config is built (before any model is built or compiled)."""
+    from tests.vllm.conftest import run_python
+    from tests.vllm.test_plugin import declared_entry_point, fake_distribution
 
-    probe = ("import sys\nfrom turboquant_vllm import plugins\nplugins.register()\n"
-             "from transformers import AutoConfig\nfrom vllm import ModelRegistry\n"
-             "assert 'CloverLMForCausalLM' in ModelRegistry.get_supported_archs()\n"
-             "assert AutoConfig.for_model('cloverlm').__class__.__name__ == 'CloverLMConfig'\n"
-             "assert 'turboquant_vllm.models.cloverlm.vllm_model' not in sys.modules\n"
-             "print('ok')\n")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    fake_distribution(tmp_path)
+    out = run_python(
+        """
+        import json, os, sys, types
+        import torch
+        from vllm.plugins import load_general_plugins
+        HEAVY = ["vllm.model_executor.layers.linear", "turboquant_vllm.quant.awq_turbomind.method",
+                 "turboquant_vllm.quant.quartet2.plugin.method",
+                 "turboquant_vllm.quant.quartet2.kernels.quantize.quantize"]
+        loaded = lambda: [m for m in HEAVY if m in sys.modules]
+        load_general_plugins()
+        load_general_plugins()
+        out = {"registered": loaded(), "cuda_initialized": torch.cuda.is_initialized(),
+               "backend_imported": "turboquant_vllm.vllm.backend" in sys.modules,
+               "kernels_imported": "turboquant_vllm.ops" in sys.modules,
+               "vllm_internals_imported": "turboquant_vllm.vllm.compat" in sys.modules}
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        out["path"] = AttentionBackendEnum.CUSTOM.get_path()
+
+        from transformers import AutoConfig
+        from vllm import ModelRegistry
+        out["clover"] = ["CloverLMForCausalLM" in ModelRegistry.get_supported_archs(),
+                         AutoConfig.for_model("cloverlm").__class__.__name__,
+                         "turboquant_vllm.models.cloverlm.vllm_model" in sys.modules]
+
+        import turboquant_vllm.vllm as plugin
+        plugin.register()
+        backend = plugin.TurboQuantAttentionBackend
+        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        vllm_spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+            spec = backend.for_preset("tq4").customize_spec(vllm_spec)
+        out["backend"] = {"cuda_initialized": torch.cuda.is_initialized(), "page": spec.page_size_bytes}
+
+        from vllm.model_executor.layers.quantization import get_quantization_config
+        awq, q2 = get_quantization_config("awq_turbomind"), get_quantization_config("quartet2")
+        awq_cfg = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+        clover = {"producer": {"name": "cloverlm_converter"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}
+        out["classes"] = [awq.__name__, q2.__name__]
+        out["claims"] = [awq.override_quantization_method(awq_cfg, "awq_turbomind"),
+                         q2.override_quantization_method(clover, None), q2.override_quantization_method(awq_cfg, None)]
+        out["resolved"] = loaded()
+        fake = types.ModuleType("turbomind")
+        fake.Linear = type("Linear", (), {"clear_workspaces": staticmethod(lambda: None)})
+        sys.modules["turbomind"] = fake
+        awq.from_config(awq_cfg)
+        out["awq_built"] = [loaded(), hasattr(torch.ops.turboquant_vllm, "awq_turbomind_gemm")]
+        os.environ["TURBOQUANT_QUARTET2_PATH"] = "emulate"
+        config = q2.from_config({})
+        from vllm.model_executor.layers.linear import ReplicatedLinear
+        out["q2_layer"] = type(config.get_quant_method(object.__new__(ReplicatedLinear), "mlp")).__name__
+        out["q2_built"] = loaded()
+        print(json.dumps(out))
+        """,
+        tmp_path,
+        {"VLLM_PLUGINS": declared_entry_point()[0]},
+    )
+    # the KV-cache backend
+    assert out["path"] == "turboquant_vllm.vllm.TurboQuantAttentionBackend"
+    assert [out[k] for k in ("cuda_initialized", "backend_imported", "kernels_imported", "vllm_internals_imported")] \
+        == [False] * 4
+    assert out["backend"] == {"cuda_initialized": False, "page": 8 * 16 * 136}
+    # CloverLM
+    assert out["clover"] == [True, "CloverLMConfig", False]
     assert plugins.PLUGINS["cloverlm"] == "turboquant_vllm.models.cloverlm:register"
-
-
-def test_the_weight_methods_register_without_their_layers():
-    """vLLM runs the entry point in every process (the API server's too): registering imports neither vLLM's linear
-    layers nor the methods' layer modules (the torch op, the Triton kernels); `-q awq_turbomind` and `-q quartet2`
-    resolve to their config classes and answer override_quantization_method without them; building a config or a
-    layer imports them, the awq_turbomind op registered as the config is built (before any model is built or
-    compiled)."""
-    import json
-    import subprocess
-
-    probe = """
-import json, os, sys, types
-from turboquant_vllm import plugins
-plugins.register()
-HEAVY = ["vllm.model_executor.layers.linear", "turboquant_vllm.quant.awq_turbomind.method",
-         "turboquant_vllm.quant.quartet2.plugin.method", "turboquant_vllm.quant.quartet2.kernels.quantize.quantize"]
-loaded = lambda: [m for m in HEAVY if m in sys.modules]
-registered = loaded()
-from vllm.model_executor.layers.quantization import get_quantization_config
-awq, q2 = get_quantization_config("awq_turbomind"), get_quantization_config("quartet2")
-awq_cfg = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
-clover = {"producer": {"name": "cloverlm_converter"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}
-out = {"classes": [awq.__name__, q2.__name__],
-       "claims": [awq.override_quantization_method(awq_cfg, "awq_turbomind"),
-                  q2.override_quantization_method(clover, None), q2.override_quantization_method(awq_cfg, None)],
-       "registered": registered, "resolved": loaded()}
-fake = types.ModuleType("turbomind")
-fake.Linear = type("Linear", (), {"clear_workspaces": staticmethod(lambda: None)})
-sys.modules["turbomind"] = fake
-import torch
-awq.from_config(awq_cfg)
-out["awq_built"] = [loaded(), hasattr(torch.ops.turboquant_vllm, "awq_turbomind_gemm")]
-os.environ["TURBOQUANT_QUARTET2_PATH"] = "emulate"
-config = q2.from_config({})
-from vllm.model_executor.layers.linear import ReplicatedLinear
-out["q2_layer"] = type(config.get_quant_method(object.__new__(ReplicatedLinear), "mlp")).__name__
-out["q2_built"] = loaded()
-print(json.dumps(out))
-"""
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # the weight methods
+    assert out["registered"] == []
     assert out["classes"] == ["AWQTurboMindConfig", "Quartet2Config"]
     assert out["claims"] == ["awq_turbomind", "quartet2", None]
-    assert out["registered"] == []
     # vLLM's get_quantization_config imports its own configs, and with them its linear layers; ours stay unloaded
     assert out["resolved"] == ["vllm.model_executor.layers.linear"]
     assert out["awq_built"] == [["vllm.model_executor.layers.linear", "turboquant_vllm.quant.awq_turbomind.method"],

@@ -1,4 +1,5 @@
-"""The KV-cache plugin's registration: entry point, idempotence, no CUDA, works through vLLM's own plugin loader."""
+"""The KV-cache plugin's registration: entry point, idempotence, refused settings. Through vLLM's own plugin loader
+in a fresh process, without CUDA: tests/test_plugins.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import ROOT, run_python
+from tests.vllm.conftest import ROOT
 
 GROUP = "vllm.general_plugins"
 
@@ -64,54 +65,3 @@ def fake_distribution(tmp_path: Path) -> None:
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: turboquant-vllm\nVersion: 0.0.0\n")
     (dist / "entry_points.txt").write_text(f"[{GROUP}]\n{name} = {target}\n")
-
-
-def test_vllm_plugin_loader_registers_us_without_cuda(tmp_path):
-    fake_distribution(tmp_path)
-    out = run_python(
-        """
-        import json, sys
-        import torch
-        from vllm.plugins import load_general_plugins
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
-        load_general_plugins()
-        load_general_plugins()
-        print(json.dumps({
-            "path": AttentionBackendEnum.CUSTOM.get_path(),
-            "cuda_initialized": torch.cuda.is_initialized(),
-            "backend_imported": "turboquant_vllm.vllm.backend" in sys.modules,
-            "kernels_imported": "turboquant_vllm.ops" in sys.modules,
-            "vllm_internals_imported": "turboquant_vllm.vllm.compat" in sys.modules,
-        }))
-        """,
-        tmp_path,
-        {"VLLM_PLUGINS": declared_entry_point()[0]},
-    )
-    assert out == {
-        "path": "turboquant_vllm.vllm.TurboQuantAttentionBackend",
-        "cuda_initialized": False,
-        "backend_imported": False,
-        "kernels_imported": False,
-        "vllm_internals_imported": False,
-    }
-
-
-def test_importing_the_backend_touches_no_cuda(tmp_path):
-    out = run_python(
-        """
-        import json
-        import torch
-        import turboquant_vllm.vllm as plugin
-        plugin.register()
-        backend = plugin.TurboQuantAttentionBackend
-        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        vllm_spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-            spec = backend.for_preset("tq4").customize_spec(vllm_spec)
-        print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(), "page": spec.page_size_bytes}))
-        """,
-        tmp_path,
-    )
-    assert out == {"cuda_initialized": False, "page": 8 * 16 * 136}
