@@ -4,7 +4,7 @@ client, real HTTP, real server-sent events): only its shapes and rules are vLLM'
 One character is one token (id 100 + its code point), the chat template's special tokens are ids 1 and 2. The "model"
 writes words drawn from a generator seeded by the prompt's tokens (greedy), plus the request's seed and the choice's
 index when sampling (no seed: fresh randomness). It honours max_tokens, stop strings, n, logprobs / top_logprobs,
-return_token_ids, streaming with include_usage, and answers 4xx to what vLLM refuses: prompts over MAX_MODEL_LEN,
+return_token_ids, streaming with include_usage, and answers 4xx to what vLLM refuses: prompts of MAX_MODEL_LEN tokens or more,
 malformed JSON or fields, an unknown model. /metrics counts the streams in flight (a closed client ends its stream),
 the finished and aborted ones, and "preemptions": a stream that starts while the streams in flight hold more than
 kv_tokens tokens (prompt and answer tokens each; serve(..., kv_tokens=N)) counts one, as a KV cache of N tokens
@@ -169,8 +169,9 @@ def choices_for(state: State, body: dict, chat: bool) -> tuple[list[int], list[d
     temperature = check_number(body, "temperature", 1.0, lo=0.0)
     n = check_number(body, "n", 1, lo=1, integer=True)
     seed = check_number(body, "seed", None, integer=True)
-    if len(prompt_ids) + max_tokens > MAX_MODEL_LEN:
+    if len(prompt_ids) >= MAX_MODEL_LEN:
         raise Invalid(400, f"This model's maximum context length is {MAX_MODEL_LEN} tokens")
+    max_tokens = min(max_tokens, MAX_MODEL_LEN - len(prompt_ids))  # as vLLM 0.33: what the context has left
     stops = body.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
     out = []
