@@ -444,6 +444,33 @@ def test_serve_merges_the_users_additional_config(monkeypatch, gpu, vllm_args, c
     assert rest == ["-tp", "2"] and got == config
 
 
+def test_serve_keeps_the_additional_config_of_a_vllm_config_file(monkeypatch, gpu, tmp_path):
+    """vLLM ranks the command line's --additional-config above a --config FILE's as a whole: serve's must hold both."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("max-model-len: 4096\nadditional-config:\n  gdn_prefill_backend: x\n  turboquant_preset: k5v4\n")
+    rest, config, _ = serve(monkeypatch, ["org/model", "--config", str(path), "--additional-config.a", "1"])
+    assert rest == ["--config", str(path)] and config == {"gdn_prefill_backend": "x", "turboquant_preset": "k5v4",
+                                                          "a": 1}
+    path.write_text('additional_config: \'{"turboquant_preset": "tq3"}\'\n')  # as JSON text, the other spelling
+    assert serve(monkeypatch, ["org/model", "--config", str(path)])[1] == {"turboquant_preset": "tq3"}
+
+
+@pytest.mark.parametrize("text, argv, needles", [
+    ("additional-config:\n  turboquant_preset: tq3\n", ["--preset", "k4v3"],
+     ["--preset k4v3 and --additional-config turboquant_preset='tq3' disagree"]),
+    ("additional-config: [1]\n", [], ["serve.yaml: additional-config must be a mapping, not list"]),
+    ("a: [\n", [], ["serve.yaml: while parsing"]),
+])
+def test_serve_refuses_a_config_file_vllm_would_refuse(text, argv, needles, monkeypatch, capsys, gpu, tmp_path):
+    monkeypatch.setattr(arguments, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("vLLM started"))
+    (tmp_path / "serve.yaml").write_text(text)
+    assert main(["serve", "org/model", "--config", str(tmp_path / "serve.yaml"), *argv]) == 2
+    one_line_error(capsys, *needles)
+    assert main(["serve", "org/model", "--config", str(tmp_path / "none.yaml")]) == 2
+    one_line_error(capsys, "none.yaml: [Errno 2] No such file or directory")
+
+
 @pytest.mark.parametrize("env, argv, needles", [
     ({}, ["--preset", "k4v3", "--additional-config", '{"turboquant_preset": "tq3"}'],
      ["serve: error: --preset k4v3 and --additional-config turboquant_preset='tq3' disagree; give the preset once"]),
@@ -623,5 +650,5 @@ def test_cloverlm_refuses_a_missing_directory_and_says_what_to_install_without_v
 def test_cloverlm_runs_as_a_module(clover_dir):
     """`python -m turboquant_vllm.cli` (the GPU scripts' way where the console script is off PATH)."""
     done = subprocess.run([sys.executable, "-m", "turboquant_vllm.cli", "cloverlm", str(clover_dir), "--port", "1"],
-                          capture_output=True, text=True, timeout=300)
+                          check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "add --api" in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]

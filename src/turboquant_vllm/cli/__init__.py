@@ -96,7 +96,8 @@ def build_parser() -> Parser:
                        usage="turboquant-vllm serve [-h] [--preset PRESET] MODEL [VLLM_ARGS...]", allow_abbrev=False,
                        description="Run `vllm serve MODEL --attention-backend CUSTOM --additional-config "
                        "'{\"turboquant_preset\": PRESET}'` (merged with an --additional-config among the vLLM "
-                       "arguments). Every other argument goes to vLLM unchanged (see `vllm serve --help`), e.g. "
+                       "arguments or in their --config FILE). Every other argument goes to vLLM unchanged (see "
+                       "`vllm serve --help`), e.g. "
                        "turboquant-vllm serve Qwen/Qwen2.5-7B-Instruct --preset tq3 --max-model-len 32768. "
                        f"Needs vLLM {SUPPORTED_VLLM} and an NVIDIA GPU of compute capability >= 8.0.")
     s.add_argument("model", metavar="MODEL", help="Hugging Face hub id (ORG/NAME) or local model directory")

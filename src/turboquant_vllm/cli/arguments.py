@@ -122,11 +122,41 @@ def chosen_preset(given: str | None) -> str:
 ADDITIONAL_CONFIG = "--additional-config"
 
 
+def config_file_additional_config(vllm_args: list[str]) -> dict:
+    """The additional_config of a vLLM `--config FILE` (YAML) among vllm_args, {} without one. vLLM ranks a command
+    line's --additional-config above the file's as a whole, so the one serve passes must carry the file's keys."""
+    if "--config" not in vllm_args:
+        return {}
+    at = vllm_args.index("--config")
+    if at + 1 == len(vllm_args):
+        raise UsageError("--config needs a YAML file")
+    path = Path(vllm_args[at + 1]).expanduser()
+    try:
+        import yaml  # vLLM's own dependency, as is the file's format
+
+        loaded = yaml.safe_load(path.read_text())
+    except ImportError:
+        raise UsageError(f"--config {path}: reading it needs PyYAML, which vLLM brings: {INSTALL_VLLM}") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise UsageError(f"--config {path}: {str(exc).splitlines()[0]}") from None
+    found = [v for k, v in (loaded or {}).items() if k.replace("_", "-") == ADDITIONAL_CONFIG[2:]] \
+        if isinstance(loaded, dict) else []
+    config = found[-1] if found else {}
+    if isinstance(config, str):
+        try:
+            config = _json_object(config)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--config {path}: additional-config: {exc}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--config {path}: additional-config must be a mapping, not {type(config).__name__}")
+    return dict(config)
+
+
 def split_additional_config(vllm_args: list[str]) -> tuple[dict, list[str]]:
-    """(vLLM's --additional-config among vllm_args, merged into one object; the other arguments). vLLM takes it as
-    JSON (--additional-config '{"k": v}', or =) or key by key (--additional-config.k v, values JSON or text), and
-    reads --additional_config alike."""
-    config: dict = {}
+    """(vLLM's --additional-config among vllm_args, merged into one object over a --config FILE's; the other
+    arguments, --config FILE kept). vLLM takes it as JSON (--additional-config '{"k": v}', or =) or key by key
+    (--additional-config.k v, values JSON or text), and reads --additional_config alike."""
+    config: dict = config_file_additional_config(vllm_args)
     rest: list[str] = []
     args = iter(vllm_args)
     for arg in args:
