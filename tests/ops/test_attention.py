@@ -135,12 +135,15 @@ def test_calibrated_sinks_match_reference(preset, head_dim):
     centered), written by the store kernel: a decode step whose store launch rotates the queries (and their offsets),
     then a chunked prefill over the same pages, match the reference."""
     gen = torch.Generator().manual_seed(hash((preset, head_dim, "sinks")) % 2**31)
-    seq_lens = [45, 70]
+    # two and three pages (first tokens 0 and 20); interpreted, a decode of 2 splits (the policy's 32 are 31 empty
+    # programs a sequence and KV head here)
+    seq_lens, splits = ([45, 70], None) if FULL_MATRIX else ([20, 40], 2)
+    total = sum(seq_lens)
     b = make_paged_batch(gen, preset, head_dim, 2, 16, seq_lens, torch.bfloat16, DEVICE)
     cal = random_calibration(gen, 2, head_dim, DEVICE)
-    b.keys = keys_with_sinks(gen, b.keys, cal, [0, 45])
-    last = torch.tensor([44, 114], device=DEVICE)
-    context = torch.ones(115, dtype=torch.bool, device=DEVICE)
+    b.keys = keys_with_sinks(gen, b.keys, cal, [0, seq_lens[0]])
+    last = torch.tensor([seq_lens[0] - 1, total - 1], device=DEVICE)
+    context = torch.ones(total, dtype=torch.bool, device=DEVICE)
     context[last] = False
     store_kv(b.keys[context], b.values[context], b.kv_cache, b.slot_mapping[context], b.layout, cal)
     norms = b.kv_cache[:, :, b.layout.key_norm_offset : b.layout.value_code_offset].contiguous().view(torch.float32)
@@ -155,7 +158,8 @@ def test_calibrated_sinks_match_reference(preset, head_dim):
                                query=query, query_scale=scale)
         out = torch.full_like(query, float("nan"))
         paged_attention(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, max_query_len=max(q_lens),
-                        scale=scale, out=out, key_calibration=cal, rotated_query=rotated)
+                        scale=scale, out=out, key_calibration=cal, rotated_query=rotated,
+                        num_splits=splits if q_lens == [1, 1] else None)
         ref = paged_attention_reference(query, b.kv_cache, b.layout, b.block_table, qsl, b.seq_lens, scale,
                                         key_calibration=cal)
         assert not torch.isnan(out).any()
