@@ -20,7 +20,7 @@ import torch
 from turboquant_vllm.cli import main
 from turboquant_vllm.hf import gemma3, gguf_source
 
-needs_conversion = pytest.mark.slow  # the session's conversion: ~3 min on 2 cores (CI's slow tier)
+needs_conversion = pytest.mark.slow  # the session's conversion: 132 s of CPU time, minutes on 2 cores (CI's slow tier)
 
 
 @pytest.fixture(scope="module")
