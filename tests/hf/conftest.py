@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -12,12 +13,20 @@ def smollm2_wheel():
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory, smollm2_wheel):
-    """One conversion per test run: pytest-xdist workers share their run's directory and convert() locks it."""
+def converted_models(request, tmp_path_factory) -> Path:
+    """Where the session's model conversions go: pytest's cache folder, kept between runs (CI's two tiers and a
+    developer's reruns convert once; convert() reuses only a complete conversion of the pinned wheels), else the
+    run's temporary folder. pytest-xdist workers share either, and convert() locks the directory it writes."""
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return Path(cache.mkdir("converted-models"))
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    return smollm2.convert(root / "smollm2-135m-instruct", wheel=smollm2_wheel)
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(converted_models, smollm2_wheel):
+    return smollm2.convert(converted_models / "smollm2-135m-instruct", wheel=smollm2_wheel)
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +46,5 @@ def gemma3_wheels():
 
 
 @pytest.fixture(scope="session")
-def gemma3_dir(tmp_path_factory, gemma3_wheels):
-    """One conversion per test run, shared by the pytest-xdist workers as smollm2_dir is."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    return gemma3.convert(root / "gemma-3-270m", wheel_dir=gemma3_wheels[0].parent)
+def gemma3_dir(converted_models, gemma3_wheels):
+    return gemma3.convert(converted_models / "gemma-3-270m", wheel_dir=gemma3_wheels[0].parent)
