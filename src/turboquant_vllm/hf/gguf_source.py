@@ -9,6 +9,7 @@ weights and in the logits of a fixed prompt (the GGUF's model and the saved one,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -125,11 +126,32 @@ def convert_locked(out: Path, converted: Callable[[], bool], build: Callable[[Pa
     with FileLock(out.parent / f".{out.name}.lock"):
         if converted():
             return out
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp, _one_reader_per_file():
             staged = Path(tmp) / "model"
             build(staged, Path(tmp))
             _install(staged, out)
     return out
+
+
+@contextlib.contextmanager
+def _one_reader_per_file():
+    """transformers parses a GGUF's whole metadata at each load (tokenizer, config, model: ~22 s each for Gemma-3's
+    262,144-token vocabulary); a conversion loads one file three times, so one parse (a read-only reader) serves all."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from gguf at each load
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def load_gguf_config(gguf_path: str | Path):
